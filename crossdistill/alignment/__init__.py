@@ -1,0 +1,1 @@
+"""Byte offsets, chunk alignment between two tokenizations of one text, vocabulary projection."""

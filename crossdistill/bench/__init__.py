@@ -1,0 +1,33 @@
+"""`crossdistill bench ...`: benchmarks that anyone can rerun; each prints a table, or one JSON
+object with `--json`. Each benchmark module contributes `add_parser(subparsers)`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHMARKS = [
+    "crossdistill.bench.align",
+    "crossdistill.bench.loss",
+    "crossdistill.bench.data",
+    "crossdistill.bench.step",
+]
+
+
+def add_bench_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="run a benchmark (alignment, loss, data pipeline, training step)",
+        description="Benchmarks measured side by side with a plain baseline in the same run.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="bench", metavar="BENCHMARK")
+    for name in BENCHMARKS:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name == name:
+                continue
+            raise
+        module.add_parser(sub)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

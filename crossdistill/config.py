@@ -1,0 +1,304 @@
+"""Typed configuration: dataclasses that own their fields and defaults.
+
+A run is described by one `Config` tree, read from YAML and then amended by
+`a.b.c=value` overrides from the command line (list items by index:
+`teachers.0.loss=jsd`). Unknown keys, wrong types and missing required fields
+fail at load time with one `UserError` naming the key, the expected type and
+the nearest valid key. `to_dict` gives the resolved tree that is saved as
+`config.json` beside every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+from crossdistill.errors import UserError
+
+LossName = Literal[
+    "forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd", "gold", "uld", "chunk_likelihood"
+]
+MISSING_REQUIRED = "???"
+
+
+@dataclass
+class ModelConfig:
+    """Where a model comes from. Exactly one of `path` (a Hugging Face checkpoint folder) or
+    `arch` (a `config.json` file or folder, or a built-in tiny preset name: random init)."""
+
+    path: str | None = None
+    arch: str | None = None
+    tokenizer: str | None = None  # folder, HF id or tiktoken file; defaults to `path`
+    dtype: str = "bfloat16"
+    attn_implementation: str = "sdpa"
+    overrides: dict[str, Any] = field(
+        default_factory=dict
+    )  # HF config fields, e.g. num_hidden_layers
+
+
+@dataclass
+class StudentConfig(ModelConfig):
+    dtype: str = "float32"  # master weights; compute runs under autocast on GPU
+    activation_checkpointing: bool = False
+
+
+@dataclass
+class TeacherConfig(ModelConfig):
+    name: str = "teacher"
+    weight: float = 1.0
+    loss: LossName = "forward_kl"
+    temperature: float = 1.0
+    top_k: int = 64
+    beta: float = 0.5  # jsd mixing weight
+    alpha: float = 0.1  # skew_kl skew
+    projection: str | None = None  # prebuilt projection file; built on the fly when absent
+    offload: bool = False  # keep on CPU between steps (small GPUs)
+
+
+@dataclass
+class DataConfig:
+    train: list[str] = field(default_factory=list)
+    validation: list[str] = field(default_factory=list)
+    format: Literal["auto", "text", "jsonl", "parquet", "arrow", "hf_disk"] = "auto"
+    text_field: str = "text"
+    messages_field: str | None = None
+    loss_on: Literal["assistant", "all"] = "assistant"
+    seq_len: int = 2048
+    micro_batch_size: int = 4
+    num_workers: int = 1
+    val_fraction: float = 0.01
+    pad_multiple: int = 64
+    bad_input: Literal["skip", "error"] = "skip"
+    seed: int = 0
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 100
+    grad_clip: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    grad_accum: int = 1
+    kd_ratio: float = 0.5
+    teacher_mode: Literal["weighted", "dynamic", "best"] = "weighted"
+    eval_every: int = 200
+    eval_batches: int = 20
+    checkpoint_every: int = 500
+    keep_last: int = 2
+    log_every: int = 10
+    max_consecutive_skips: int = 5
+    device: str = "auto"
+    seed: int = 0
+    loss_chunk_size: int = 1024
+
+
+@dataclass
+class RunConfig:
+    out_dir: str = "runs/default"
+    tensorboard: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Config:
+    student: StudentConfig = field(default_factory=StudentConfig)
+    teachers: list[TeacherConfig] = field(default_factory=list)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+T = TypeVar("T")
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    schema: type[T] = Config,  # type: ignore[assignment]
+) -> T:
+    """Read a YAML file (or nothing), apply `a.b=v` overrides, and build the typed tree."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise UserError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UserError(f"{p} is not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise UserError(f"{p} must hold a mapping at the top level, got {type(raw).__name__}")
+    for item in overrides or []:
+        _apply_override(raw, item)
+    return from_dict(schema, raw)
+
+
+def from_dict(schema: type[T], raw: Any, where: str = "") -> T:
+    """Build dataclass `schema` from a plain mapping, checking every key and type."""
+    return _convert(schema, raw, where)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain JSON-able data."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_dict(cfg), indent=2) + "\n")
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise UserError(f"override {item!r} must look like key.sub=value")
+    key, value_text = item.split("=", 1)
+    try:
+        value = yaml.safe_load(value_text) if value_text != "" else ""
+    except yaml.YAMLError:
+        value = value_text
+    parts = key.strip().split(".")
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            node = _list_slot(node, part, key)
+            continue
+        if part not in node or node[part] is None:
+            node[part] = [] if nxt.isdigit() else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last) if last.isdigit() else -1
+        if not 0 <= idx <= len(node):
+            raise UserError(f"override {key}: index {last} out of range (list has {len(node)})")
+        if idx == len(node):
+            node.append(value)
+        else:
+            node[idx] = value
+    else:
+        node[last] = value
+
+
+def _list_slot(node: list, part: str, key: str) -> Any:
+    if not part.isdigit() or int(part) > len(node):
+        raise UserError(f"override {key}: {part!r} is not a valid index (list has {len(node)})")
+    if int(part) == len(node):
+        node.append({})
+    return node[int(part)]
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = get_origin(tp)
+    label = where or "<root>"
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _convert_dataclass(tp, value, where)
+    if origin in (Union, types.UnionType):
+        args = get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, where)
+            except UserError as e:
+                errors.append(str(e))
+        raise UserError(f"{label}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        choices = get_args(tp)
+        if value not in choices:
+            near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise UserError(f"{label}: {value!r} is not one of {list(choices)}{hint}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            if origin is list and isinstance(value, str):
+                value = [value]  # a single path where a list of paths is expected
+            else:
+                raise UserError(f"{label}: expected a list ({_type_name(tp)}), got {value!r}")
+        args = get_args(tp)
+        if origin is tuple:
+            if len(args) != len(value):
+                raise UserError(
+                    f"{label}: expected {len(args)} items ({_type_name(tp)}), got {value!r}"
+                )
+            return tuple(
+                _convert(a, v, f"{where}.{i}") for i, (a, v) in enumerate(zip(args, value))
+            )
+        return [_convert(args[0], v, f"{where}.{i}") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{label}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:
+            return float(value)  # YAML reads "3e-4" as a string
+        except ValueError:
+            pass
+    if (
+        tp in (int, str, bool)
+        and isinstance(value, tp)
+        and not (tp is int and isinstance(value, bool))
+    ):
+        return value
+    raise UserError(f"{label}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _convert_dataclass(tp: type, value: Any, where: str) -> Any:
+    label = where or "<root>"
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise UserError(f"{label}: expected a mapping for {tp.__name__}, got {value!r}")
+    hints = typing.get_type_hints(tp)
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    for key in value:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean {_join(where, near[0])!r}?" if near else ""
+            raise UserError(
+                f"unknown config key {_join(where, key)!r}{hint} (valid keys here: {', '.join(fields)})"
+            )
+    kwargs = {}
+    for name, f in fields.items():
+        key = _join(where, name)
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], key)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise UserError(f"missing required config key {key!r} ({_type_name(hints[name])})")
+    for name in kwargs:
+        if kwargs[name] == MISSING_REQUIRED:
+            raise UserError(f"config key {_join(where, name)!r} must be set")
+    return tp(**kwargs)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else str(key)

@@ -1,0 +1,1 @@
+"""Datasets, packing on common boundaries, chat data, collator, resumable loader."""

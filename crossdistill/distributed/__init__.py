@@ -1,0 +1,1 @@
+"""Parallel layouts and their application (FSDP2, TP, CP)."""

@@ -1,0 +1,1 @@
+"""Held-out loss and bits per byte."""

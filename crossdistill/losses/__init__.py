@@ -1,0 +1,1 @@
+"""Distillation losses: pure tensor math, and the chunked student pass."""

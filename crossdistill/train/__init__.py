@@ -1,0 +1,1 @@
+"""Building components, the training step, the loop, checkpoints, metrics."""
