@@ -105,7 +105,8 @@ def _load_tiktoken(path: Path):
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    num_ranks = sum(1 for _ in open(path, "rb"))
+    with open(path, "rb") as f:
+        num_ranks = sum(1 for _ in f)
     specials = llama3_special_tokens() if num_ranks == 128000 else []
     try:
         converter = TikTokenConverter(
