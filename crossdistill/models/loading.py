@@ -30,6 +30,16 @@ DTYPES = {
 }
 
 
+def _dtype_kwarg() -> str:
+    from importlib.metadata import version
+
+    major, minor = (int(x) for x in version("transformers").split(".")[:2])
+    return "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+
+
+_DTYPE_KWARG = _dtype_kwarg()
+
+
 def parse_dtype(name: str) -> torch.dtype:
     if name not in DTYPES:
         raise UserError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}")
@@ -110,7 +120,7 @@ def build_meta_model(
     config._attn_implementation = attn_implementation
     with torch.device("meta"):
         try:
-            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, **{_DTYPE_KWARG: dtype})
         except ValueError as e:
             raise UserError(f"model {path or arch!r}: cannot build a causal LM: {e}") from None
     return model

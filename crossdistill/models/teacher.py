@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from crossdistill.models.forward import final_hidden
+
 
 class Teacher:
     """Wraps a causal LM for distillation. It is deliberately not an `nn.Module`, so it never
@@ -41,17 +43,7 @@ class Teacher:
     def hidden_states(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Final-layer hidden states `[B, T_t, H]` (after the last norm), without the lm_head."""
-        backbone = (
-            self.model.get_decoder() if hasattr(self.model, "get_decoder") else self.model.model
-        )
-        out = backbone(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        )
-        return out.last_hidden_state
+        return final_hidden(self.model, input_ids, position_ids)

@@ -1,0 +1,111 @@
+"""Model loading: meta init then one materialisation, presets, checkpoint folders, the teacher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crossdistill.errors import UserError
+from crossdistill.models import Teacher, build_causal_lm
+from crossdistill.models.loading import build_meta_model
+from crossdistill.models.presets import REAL, TINY
+
+FAMILIES = sorted(TINY)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_tiny_presets_build_and_run(arch):
+    model = build_causal_lm(arch=arch, seed=0)
+    ids = torch.randint(0, 512, (2, 12))
+    logits = model(ids).logits
+    assert logits.shape == (2, 12, 512)
+    assert torch.isfinite(logits).all()
+    # random init is the family's own (normal, std = initializer_range), not leftover memory
+    w = model.get_input_embeddings().weight.detach()
+    assert 0.015 < float(w.std()) < 0.025
+    # rotary buffers were rebuilt after materialisation: identical to a plain eager build
+    rope = next(m for n, m in model.named_modules() if n.endswith("rotary_emb"))
+    ref = type(rope)(config=rope.config)
+    torch.testing.assert_close(rope.inv_freq, ref.inv_freq, rtol=0, atol=0)
+
+
+def test_seed_makes_init_reproducible():
+    a = build_causal_lm(arch="tiny-llama", seed=3)
+    b = build_causal_lm(arch="tiny-llama", seed=3)
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb), na
+
+
+def test_checkpoint_folder_round_trip(tmp_path):
+    src = build_causal_lm(arch="tiny-qwen3", seed=1)
+    src.save_pretrained(tmp_path, safe_serialization=True)
+    loaded = build_causal_lm(path=str(tmp_path))
+    ids = torch.randint(0, 512, (1, 10))
+    torch.testing.assert_close(loaded(ids).logits, src(ids).logits, rtol=0, atol=0)
+    # what transformers itself loads from our export is the same model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path)
+    torch.testing.assert_close(hf(ids).logits, src(ids).logits, rtol=1e-6, atol=1e-6)
+
+
+def test_meta_build_allocates_nothing():
+    model = build_meta_model(None, "llama-3.2-1b", dtype=torch.bfloat16)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    n = sum(p.numel() for p in model.parameters())
+    assert 1.2e9 < n < 1.3e9  # Llama-3.2-1B has 1.24B parameters (tied embeddings)
+
+
+def test_real_shape_presets_have_known_sizes():
+    expected = {"llama-3.2-3b": 3.21e9, "qwen3-4b": 4.02e9, "phi-4-mini": 3.84e9}
+    for name, count in expected.items():
+        model = build_meta_model(None, name, dtype=torch.bfloat16)
+        n = sum(p.numel() for p in model.parameters())
+        assert abs(n - count) / count < 0.02, (name, n)
+    assert set(expected) <= set(REAL)
+
+
+def test_bad_model_specs_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="exactly one of"):
+        build_causal_lm()
+    with pytest.raises(UserError, match="no config.json"):
+        build_causal_lm(path=str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "vocab_size": 10}')
+    with pytest.raises(UserError, match="safetensors"):
+        build_causal_lm(path=str(tmp_path))
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    with pytest.raises(UserError, match="unknown model_type"):
+        build_causal_lm(path=str(tmp_path))
+
+
+def test_teacher_is_frozen_and_never_a_module():
+    model = build_causal_lm(arch="tiny-llama", dtype=torch.bfloat16, seed=0)
+    teacher = Teacher(model, name="t")
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert teacher.dtype == torch.bfloat16
+    assert not isinstance(teacher, torch.nn.Module)
+    ids = torch.randint(0, 512, (2, 8))
+    h = teacher.hidden_states(ids)
+    assert h.shape == (2, 8, 64) and not h.requires_grad
+    logits = h @ teacher.lm_head_weight.T
+    torch.testing.assert_close(logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_packed_documents_do_not_attend_across(arch):
+    """A document packed behind another sees exactly what it sees alone."""
+    from crossdistill.models.forward import final_hidden
+
+    model = build_causal_lm(arch=arch, seed=0)
+    a, b = torch.randint(0, 512, (1, 7)), torch.randint(0, 512, (1, 9))
+    packed = torch.cat([a, b], dim=1)
+    pos = torch.cat([torch.arange(7), torch.arange(9)]).unsqueeze(0)
+    h_packed = final_hidden(model, packed, pos)
+    h_b = final_hidden(model, b, torch.arange(9).unsqueeze(0))
+    h_a = final_hidden(model, a, torch.arange(7).unsqueeze(0))
+    torch.testing.assert_close(h_packed[:, 7:], h_b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h_packed[:, :7], h_a, rtol=1e-5, atol=1e-5)
+    # and the contrary holds without the restart: the check above has teeth
+    h_joined = final_hidden(model, packed, torch.arange(16).unsqueeze(0))
+    assert not torch.allclose(h_joined[:, 7:], h_b, atol=1e-3)
