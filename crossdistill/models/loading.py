@@ -131,6 +131,7 @@ def materialize(model: nn.Module, device: str | torch.device) -> None:
     (rotary frequencies), which `to_empty` leaves uninitialised."""
     model.to_empty(device=device)
     _rebuild_rotary(model, torch.device(device))
+    _init_non_persistent_buffers(model)
     model.tie_weights()
 
 
@@ -143,6 +144,23 @@ def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, fresh)
+
+
+@torch.no_grad()
+def _init_non_persistent_buffers(model: nn.Module) -> None:
+    """Fill the other non-persistent buffers (Gemma-3's `embed_scale`) with the model's own
+    `_init_weights`: they are in no checkpoint, and `to_empty` left them as garbage. The owning
+    module's parameters get re-initialised too, and are overwritten when weights are loaded;
+    the global RNG is left as it was."""
+    init_module = getattr(model, "_init_weights", None)
+    if init_module is None:
+        return
+    with torch.random.fork_rng(devices=[]):
+        for module in model.modules():
+            if module._non_persistent_buffers_set and not type(module).__name__.endswith(
+                "RotaryEmbedding"
+            ):
+                init_module(module)
 
 
 @torch.no_grad()

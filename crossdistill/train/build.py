@@ -1,0 +1,143 @@
+"""Build what a run needs from its config, in the order that fails fast: config checks and
+tokenizers (seconds) before projections, projections before models (minutes), models before
+the loaders' first batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from crossdistill.config import Config, TeacherConfig
+from crossdistill.errors import UserError
+from crossdistill.losses import VocabProjection
+from crossdistill.models import Teacher, build_causal_lm, load_tokenizer, tokenizer_fingerprint
+from crossdistill.models.loading import parse_dtype
+from crossdistill.train.optim import build_optimizer, build_scheduler
+from crossdistill.train.step import TeacherSlot
+from crossdistill.train.validate import check_vocab, validate_config
+
+
+@dataclass
+class Components:
+    device: torch.device
+    student: nn.Module
+    tok_s: Any
+    toks_t: list[Any]
+    slots: list[TeacherSlot]
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: Any
+    val_loader: Any
+    teacher_bpb: dict[str, float]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"train.device={name} but no CUDA device is visible; use train.device=cpu")
+    return torch.device(name)
+
+
+def build_projection_for(
+    tcfg: TeacherConfig, tok_t, tok_s, rows_t: int, rows_s: int, device: torch.device
+) -> VocabProjection:
+    """The teacher-to-student map over the models' embedding rows (`rows_t`, `rows_s`, which
+    may exceed the tokenizers' sizes: padded vocabularies). Identity for a teacher with the
+    student's tokenizer; otherwise a saved projection (refused if built for other tokenizers)
+    or one built now (seconds). Rows a tokenizer never produces map to the tail."""
+    if tokenizer_fingerprint(tok_t) == tokenizer_fingerprint(tok_s):
+        first = torch.arange(len(tok_s))
+        exact = torch.ones(len(tok_s), dtype=torch.bool)
+        return _padded(first, exact, rows_t, rows_s, device)
+    from crossdistill.alignment.projection import Projection, build_projection
+
+    if tcfg.projection:
+        proj = Projection.load(tcfg.projection, tok_t=tok_t, tok_s=tok_s)
+    else:
+        proj = build_projection(tok_t, tok_s)
+    if proj.mode == "first_piece":
+        return _padded(proj.first_piece, proj.exact, rows_t, rows_s, device)
+    exact = torch.zeros(rows_t, dtype=torch.bool)
+    exact[: proj.vocab_size_t] = proj.exact
+    return VocabProjection.from_sparse(
+        proj.rows.to(device),
+        proj.cols.to(device),
+        proj.weights.to(device),
+        rows_t,
+        rows_s,
+        exact=exact.to(device),
+    )
+
+
+def _padded(
+    first: torch.Tensor, exact: torch.Tensor, rows_t: int, rows_s: int, device
+) -> VocabProjection:
+    full = torch.full((rows_t,), -1, dtype=torch.long)
+    n = min(rows_t, first.shape[0])
+    full[:n] = first[:n].long()
+    full[full >= rows_s] = -1
+    ex = torch.zeros(rows_t, dtype=torch.bool)
+    ex[:n] = exact[:n].bool()
+    return VocabProjection.from_first_piece(
+        full.to(device), rows_s, exact=(ex & (full >= 0)).to(device)
+    )
+
+
+def build_components(cfg: Config) -> Components:
+    """Tokenizers, projections, models, optimizer and loaders for `cfg`."""
+    from crossdistill.alignment import TokenBytes
+    from crossdistill.data import build_loader
+
+    resolved_s, resolved_t = validate_config(cfg)
+    device = pick_device(cfg.train.device)
+    tok_s = load_tokenizer(resolved_s.tokenizer_spec)
+    toks_t = [load_tokenizer(r.tokenizer_spec) for r in resolved_t]
+    check_vocab(resolved_s, tok_s)
+    for r, tok in zip(resolved_t, toks_t):
+        check_vocab(r, tok)
+    rows_s = resolved_s.hf_config.vocab_size
+    projections = [
+        build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
+        for t, tok, r in zip(cfg.teachers, toks_t, resolved_t)
+    ]
+    train_loader = build_loader(cfg.data, tok_s, toks_t, split="train")
+    val_loader = build_loader(cfg.data, tok_s, toks_t, split="validation")
+
+    s = cfg.student
+    student = build_causal_lm(
+        s.path,
+        s.arch,
+        device=device,
+        dtype=parse_dtype(s.dtype),
+        overrides=s.overrides,
+        attn_implementation=s.attn_implementation,
+        seed=cfg.train.seed,
+    )
+    if s.activation_checkpointing:
+        student.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+    slots = []
+    for t, tok, proj in zip(cfg.teachers, toks_t, projections):
+        model = build_causal_lm(
+            t.path,
+            t.arch,
+            device=device,
+            dtype=parse_dtype(t.dtype),
+            overrides=t.overrides,
+            attn_implementation=t.attn_implementation,
+            seed=cfg.train.seed + 1,
+        )
+        lengths = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
+        slots.append(
+            TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj, lengths.to(device))
+        )
+    optimizer = build_optimizer(student, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    return Components(
+        device, student, tok_s, toks_t, slots, optimizer, scheduler, train_loader, val_loader, {}
+    )

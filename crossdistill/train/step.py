@@ -1,0 +1,204 @@
+"""The one place where the pieces meet: one optimizer step over a window of micro-batches.
+
+Order of work, and why:
+1. every teacher runs on every micro-batch of the window first (under `no_grad`), producing
+   small top-k targets; the window's teacher quality (bits per byte) is known before the
+   student sees anything, so multi-teacher weights are decided per global batch, never per
+   micro-batch;
+2. the valid-position counts of the whole window are summed (and all-reduced across data-parallel
+   ranks by the caller's `reduce`) so each term is `sum / global count`: gradient accumulation
+   and data parallelism do not change the loss or its gradient;
+3. the student runs micro-batch by micro-batch: forward to hidden states, the chunked lm_head +
+   loss pass, backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from crossdistill.config import TeacherConfig
+from crossdistill.losses import (
+    KDTerm,
+    TeacherTargets,
+    VocabProjection,
+    ce_count,
+    kd_count,
+    kd_positions,
+    next_token_nll,
+    student_loss,
+    teacher_targets,
+)
+from crossdistill.models.forward import final_hidden
+from crossdistill.models.teacher import Teacher
+
+LN2 = math.log(2.0)
+
+
+@dataclass
+class TeacherSlot:
+    """A teacher with everything the step needs about it."""
+
+    teacher: Teacher
+    cfg: TeacherConfig
+    projection: VocabProjection
+    byte_lengths: Tensor  # [V_t] int64 UTF-8 bytes each teacher id covers (0 for specials)
+
+
+@dataclass
+class StepSettings:
+    kd_ratio: float
+    teacher_mode: str  # weighted | dynamic | best
+    loss_chunk_size: int
+    autocast: bool
+    device: torch.device
+
+
+def _to(x: Tensor, device: torch.device) -> Tensor:
+    return x.to(device, non_blocking=True)
+
+
+@torch.no_grad()
+def run_teacher(slot: TeacherSlot, tb, chunk_size: int, device: torch.device) -> TeacherTargets:
+    """Teacher forward on one micro-batch -> its sparse targets (top-k at KD positions)."""
+    ids, pos = _to(tb.input_ids, device), _to(tb.position_ids, device)
+    hidden = slot.teacher.hidden_states(ids, pos)  # [B, T_t, H_t]
+    chunks = _to(tb.chunks, device)
+    _, kd_rows_t = kd_positions(chunks)
+    return teacher_targets(
+        hidden.flatten(0, 1),
+        slot.teacher.lm_head_weight,
+        kd_rows_t,
+        _to(tb.labels, device).flatten(),
+        top_k=min(slot.cfg.top_k, slot.teacher.lm_head_weight.shape[0]),
+        temperature=slot.cfg.temperature,
+        chunk_size=chunk_size,
+    )
+
+
+def target_bytes(slot: TeacherSlot, labels_t: Tensor) -> Tensor:
+    """Σ bytes of the teacher's valid next tokens: the denominator of its bits per byte."""
+    valid = labels_t >= 0
+    return torch.where(valid, slot.byte_lengths[labels_t.clamp(min=0)], 0).sum()
+
+
+def make_term(slot: TeacherSlot, tb, targets: TeacherTargets, device) -> KDTerm:
+    params = {"beta": slot.cfg.beta, "alpha": slot.cfg.alpha}
+    return KDTerm(
+        targets=targets,
+        projection=slot.projection,
+        chunks=_to(tb.chunks, device),
+        denominator=torch.zeros((), device=device),
+        loss=slot.cfg.loss,
+        weight=slot.cfg.weight,
+        params=params,
+        chunk_mask=_to(tb.kd_valid, device),
+        name=slot.cfg.name,
+    )
+
+
+def teacher_weights(
+    slots: list[TeacherSlot], nats_per_byte: list[Tensor], mode: str
+) -> list[Tensor | float]:
+    """Per-teacher weights for this global batch.
+
+    weighted: the configured static weights. dynamic: static weights times softmax(−nats per
+    byte) over teachers (a teacher that predicts this batch's text better counts more; bytes,
+    not tokens, so teachers with different tokenizers compare fairly). best: all weight on the
+    teacher with the lowest bits per byte."""
+    static = [s.cfg.weight for s in slots]
+    if mode == "weighted" or len(slots) == 1:
+        return static
+    npb = torch.stack(nats_per_byte)
+    if mode == "dynamic":
+        w = torch.softmax(-npb, 0) * torch.tensor(static, device=npb.device)
+        w = w / w.sum().clamp(min=1e-12) * sum(static)
+    else:  # best
+        w = torch.nn.functional.one_hot(torch.argmin(npb), len(slots)).to(npb.dtype) * sum(static)
+    return list(w.unbind(0))
+
+
+def train_step(
+    student: nn.Module,
+    slots: list[TeacherSlot],
+    micro_batches: list,
+    settings: StepSettings,
+    reduce: Callable[[Tensor], Tensor] = lambda t: t,
+) -> dict[str, Tensor]:
+    """Forward and backward over one window; returns detached metrics (no host sync here).
+    Gradients are accumulated in `student`; the caller clips and steps."""
+    dev = settings.device
+    for s in slots:
+        if s.teacher.offload:
+            s.teacher.to(dev)
+    targets = [
+        [run_teacher(s, mb.teachers[k], settings.loss_chunk_size, dev) for k, s in enumerate(slots)]
+        for mb in micro_batches
+    ]
+    terms = [
+        [make_term(s, mb.teachers[k], targets[i][k], dev) for k, s in enumerate(slots)]
+        for i, mb in enumerate(micro_batches)
+    ]
+
+    labels = [_to(mb.student.labels, dev).flatten() for mb in micro_batches]
+    counts = torch.stack(
+        [sum(ce_count(lb) for lb in labels)]
+        + [
+            sum(kd_count(terms[i][k], labels[i]) for i in range(len(micro_batches)))
+            for k in range(len(slots))
+        ]
+    ).to(torch.float64)
+    teacher_nll = [
+        sum(next_token_nll(targets[i][k])[0] for i in range(len(micro_batches)))
+        for k in range(len(slots))
+    ]
+    teacher_bytes = [
+        sum(target_bytes(slots[k], _to(mb.teachers[k].labels, dev)) for mb in micro_batches)
+        for k in range(len(slots))
+    ]
+    stats = reduce(
+        torch.cat([counts, torch.stack(teacher_nll + teacher_bytes).to(torch.float64)])
+        if slots
+        else counts
+    )
+    ce_den, kd_dens = stats[0], stats[1 : 1 + len(slots)]
+    npb = [
+        stats[1 + len(slots) + k] / stats[1 + 2 * len(slots) + k].clamp(min=1)
+        for k in range(len(slots))
+    ]
+    weights = teacher_weights(slots, npb, settings.teacher_mode)
+    for s in slots:
+        if s.teacher.offload:
+            s.teacher.to("cpu")
+
+    lm_head = student.get_output_embeddings().weight
+    total: dict[str, Tensor] = {}
+    for i, mb in enumerate(micro_batches):
+        for k, term in enumerate(terms[i]):
+            term.denominator = kd_dens[k]
+            term.weight = weights[k]
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+            hidden = final_hidden(
+                student, _to(mb.student.input_ids, dev), _to(mb.student.position_ids, dev)
+            )
+        loss, metrics = student_loss(
+            hidden.flatten(0, 1),
+            lm_head,
+            labels[i],
+            terms[i],
+            kd_ratio=settings.kd_ratio if slots else 0.0,
+            ce_denominator=ce_den,
+            chunk_size=settings.loss_chunk_size,
+        )
+        loss.backward()
+        for name, value in metrics.items():
+            total[name] = total.get(name, 0) + value.detach()
+    for k, s in enumerate(slots):
+        total[f"teacher_bpb/{s.cfg.name}"] = npb[k] / LN2
+        total[f"weight/{s.cfg.name}"] = torch.as_tensor(weights[k], device=dev)
+    total["num_ce_tokens"] = ce_den
+    return total

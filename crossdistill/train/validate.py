@@ -1,0 +1,106 @@
+"""Checks that a config can work, run before any model weight is loaded.
+
+Everything here reads configs, tokenizers and `config.json` files only, so a mistake costs
+seconds, not the minutes of loading a teacher. Each failure is one `UserError` that says what to
+change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from crossdistill.config import Config, ModelConfig
+from crossdistill.errors import UserError
+
+# Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
+# different numbers of tokens (byte-level BPEs differ by up to ~2x on code and CJK).
+TEACHER_LENGTH_FACTOR = 2
+
+
+@dataclass
+class ResolvedModel:
+    """What validation learned about one model: its HF config and its tokenizer spec."""
+
+    hf_config: Any
+    tokenizer_spec: str
+    label: str
+
+
+def tokenizer_spec(model: ModelConfig, label: str) -> str:
+    spec = model.tokenizer or model.path
+    if spec is None:
+        raise UserError(
+            f"{label}: no tokenizer; set {label}.tokenizer (a folder, HF id or tiktoken file) "
+            f"when {label} is given by `arch`"
+        )
+    return spec
+
+
+def resolve_model(model: ModelConfig, label: str) -> ResolvedModel:
+    from crossdistill.models.loading import parse_dtype, resolve_hf_config
+
+    if (model.path is None) == (model.arch is None):
+        raise UserError(f"{label}: set exactly one of {label}.path (checkpoint) or {label}.arch")
+    parse_dtype(model.dtype)
+    hf_config = resolve_hf_config(model.path, model.arch, model.overrides)
+    return ResolvedModel(hf_config, tokenizer_spec(model, label), label)
+
+
+def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
+    """Check scalars, models, tokenizers and sequence lengths; return what was resolved."""
+    _check_scalars(cfg)
+    student = resolve_model(cfg.student, "student")
+    teachers = [resolve_model(t, f"teachers.{i}") for i, t in enumerate(cfg.teachers)]
+    _check_length(student, cfg.data.seq_len, 1)
+    for t in teachers:
+        _check_length(t, cfg.data.seq_len, TEACHER_LENGTH_FACTOR)
+    names = [t.name for t in cfg.teachers]
+    if len(set(names)) != len(names):
+        raise UserError(f"teacher names must be distinct, got {names}; set teachers.N.name")
+    return student, teachers
+
+
+def check_vocab(resolved: ResolvedModel, tok) -> None:
+    """The tokenizer's ids must fit the model's embedding table."""
+    vocab = getattr(resolved.hf_config, "vocab_size", None)
+    if vocab is not None and len(tok) > vocab:
+        raise UserError(
+            f"{resolved.label}: tokenizer {resolved.tokenizer_spec!r} has {len(tok)} tokens but the "
+            f"model's vocab_size is {vocab}; pair the model with its own tokenizer"
+        )
+
+
+def _check_length(resolved: ResolvedModel, seq_len: int, factor: int) -> None:
+    limit = getattr(resolved.hf_config, "max_position_embeddings", None)
+    if limit is not None and seq_len * factor > limit:
+        need = "data.seq_len" if factor == 1 else f"data.seq_len ({factor}x for a teacher)"
+        raise UserError(
+            f"{resolved.label}: {need} = {seq_len * factor} exceeds the model's "
+            f"max_position_embeddings {limit}; lower data.seq_len"
+        )
+
+
+def _check_scalars(cfg: Config) -> None:
+    t = cfg.train
+    rules = [
+        (0.0 <= t.kd_ratio <= 1.0, f"train.kd_ratio must be in [0, 1], got {t.kd_ratio}"),
+        (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
+        (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
+        (cfg.data.seq_len >= 8, f"data.seq_len must be >= 8, got {cfg.data.seq_len}"),
+        (cfg.data.micro_batch_size >= 1, "data.micro_batch_size must be >= 1"),
+        (cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}"),
+        (t.keep_last >= 1, f"train.keep_last must be >= 1, got {t.keep_last}"),
+        (bool(cfg.data.train), "data.train is empty; give at least one file or folder"),
+    ]
+    for i, teacher in enumerate(cfg.teachers):
+        rules += [
+            (teacher.top_k >= 1, f"teachers.{i}.top_k must be >= 1, got {teacher.top_k}"),
+            (teacher.temperature > 0, f"teachers.{i}.temperature must be > 0"),
+            (teacher.weight >= 0, f"teachers.{i}.weight must be >= 0"),
+        ]
+    if cfg.teachers and t.kd_ratio > 0 and sum(x.weight for x in cfg.teachers) <= 0:
+        rules.append((False, "all teacher weights are 0 while train.kd_ratio > 0"))
+    for ok, message in rules:
+        if not ok:
+            raise UserError(message)

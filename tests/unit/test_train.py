@@ -1,0 +1,162 @@
+"""The trainer end to end on tiny real-architecture models with real tokenizers (CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from crossdistill.config import Config, from_dict
+from crossdistill.errors import UserError
+from crossdistill.train.loop import train
+from crossdistill.train.metrics import read_metrics
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "import os\nfor root, dirs, files in os.walk('.'):\n    print(root, len(files))\n",
+    "Numbers 12345 and 3.14159, café naïve résumé, 数学 and 🙂 emoji.\r\nCRLF line.\n",
+] * 12
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("corpus")
+    for name, texts in (("train.jsonl", TEXTS), ("val.jsonl", TEXTS[:8])):
+        with open(d / name, "w") as f:
+            for i, t in enumerate(texts):
+                f.write(json.dumps({"text": f"{i}: {t}"}) + "\n")
+    return d
+
+
+def _model(arch: str, tokenizer: Path, vocab: int) -> dict:
+    return {
+        "arch": arch,
+        "tokenizer": str(tokenizer),
+        "dtype": "float32",
+        "overrides": {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64},
+    }
+
+
+def _cfg(corpus: Path, out: Path, tokenizer_dir, teachers: list[dict], **train) -> Config:
+    raw = {
+        "student": _model("tiny-llama", tokenizer_dir("gpt2"), 50304),
+        "teachers": teachers,
+        "data": {
+            "train": [str(corpus / "train.jsonl")],
+            "validation": [str(corpus / "val.jsonl")],
+            "seq_len": 64,
+            "micro_batch_size": 2,
+            "num_workers": 0,
+        },
+        "optim": {"lr": 1e-2, "warmup_steps": 1},
+        "train": {
+            "steps": 4,
+            "grad_accum": 2,
+            "eval_every": 2,
+            "eval_batches": 2,
+            "checkpoint_every": 2,
+            "log_every": 1,
+            "device": "cpu",
+            "loss_chunk_size": 48,
+            **train,
+        },
+        "run": {"out_dir": str(out), "tensorboard": False, "progress": False},
+    }
+    return from_dict(Config, raw)
+
+
+def _teacher(tokenizer_dir, name: str, tokenizer: str, vocab: int, **kw) -> dict:
+    return {
+        "name": name,
+        **_model("tiny-qwen3", tokenizer_dir(tokenizer), vocab),
+        "top_k": 16,
+        **kw,
+    }
+
+
+def _losses(run: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(run / "metrics.jsonl") if "loss" in r}
+
+
+def test_cross_and_same_tokenizer_teachers_train_and_resume_exactly(
+    corpus, tmp_path, tokenizer_dir
+):
+    teachers = [
+        _teacher(tokenizer_dir, "llama2", "llama2", 32000, loss="forward_kl"),
+        _teacher(tokenizer_dir, "gpt2", "gpt2", 50304, loss="jsd", weight=0.5),
+    ]
+    full = _cfg(corpus, tmp_path / "full", tokenizer_dir, teachers)
+    final = train(full)
+    losses = _losses(tmp_path / "full")
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert all(torch.isfinite(torch.tensor(v)) for v in losses.values())
+    for key in ("val/bpb/student", "val/bpb/teacher/llama2", "val/loss/kd/gpt2", "val/loss/ce"):
+        assert key in final and final[key] == final[key], key  # present and not NaN
+    # killed after step 2 (its checkpoint), then resumed: the same losses, bit for bit
+    part = _cfg(corpus, tmp_path / "part", tokenizer_dir, teachers)
+    train(part, stop_after=3)  # gets past the step-2 checkpoint, dies before step 4's
+    resumed = train(part, resume=True)
+    assert _losses(tmp_path / "part") == losses
+    assert resumed == final
+    # the exported student loads with plain transformers and is the trained model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "full" / "final")
+    ids = torch.randint(0, 50257, (1, 12))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "part" / "final")
+    torch.testing.assert_close(hf(ids).logits, again(ids).logits, rtol=0, atol=0)
+    assert (tmp_path / "full" / "final" / "tokenizer.json").is_file()
+    assert (
+        json.loads((tmp_path / "full" / "config.json").read_text())["teachers"][0]["name"]
+        == "llama2"
+    )
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops(corpus, tmp_path, tokenizer_dir):
+    cfg = _cfg(corpus, tmp_path / "nan", tokenizer_dir, [], max_consecutive_skips=2, steps=6)
+    cfg.optim.lr = 1e30  # blows the weights up after the first step
+    cfg.optim.grad_clip = 1e30
+    with pytest.raises(UserError, match="consecutive steps had a non-finite loss"):
+        train(cfg)
+    ckpts = list((tmp_path / "nan" / "checkpoints").glob("step_*"))
+    assert not ckpts, "a checkpoint was written from a non-finite state"
+
+
+def test_existing_run_needs_resume(corpus, tmp_path, tokenizer_dir):
+    cfg = _cfg(corpus, tmp_path / "r", tokenizer_dir, [], steps=2)
+    train(cfg)
+    with pytest.raises(UserError, match="--resume"):
+        train(cfg)
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"student: {{path: {tmp_path / 'missing'}}}\ndata: {{train: [x.jsonl]}}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "crossdistill", "train", str(cfg)], capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "no config.json" in proc.stderr
+
+
+def test_teacher_weight_modes():
+    from crossdistill.train.step import teacher_weights
+
+    class Slot:
+        def __init__(self, w):
+            self.cfg = type("C", (), {"weight": w})
+
+    slots = [Slot(0.5), Slot(0.5)]
+    npb = [torch.tensor(1.0), torch.tensor(2.0)]
+    assert teacher_weights(slots, npb, "weighted") == [0.5, 0.5]
+    dyn = torch.stack(teacher_weights(slots, npb, "dynamic"))
+    ref = torch.softmax(-torch.tensor([1.0, 2.0], dtype=torch.float64), 0)
+    torch.testing.assert_close(dyn.double(), ref)
+    best = torch.stack(teacher_weights(slots, npb, "best"))
+    assert best.tolist() == [1.0, 0.0]
