@@ -30,6 +30,17 @@ MISSING_REQUIRED = "???"
 
 
 @dataclass
+class ParallelConfig:
+    """How one model is laid out over the ranks of a `torchrun` job (each model has its own).
+    The product of the degrees must equal the world size; `dp_shard = -1` takes what is left."""
+
+    dp_replicate: int = 1  # plain data parallel (DDP-like replicas)
+    dp_shard: int = -1  # FSDP2 sharding degree; -1: world / (dp_replicate * tp * cp)
+    tp: int = 1  # tensor parallel
+    cp: int = 1  # context (sequence) parallel
+
+
+@dataclass
 class ModelConfig:
     """Where a model comes from. Exactly one of `path` (a Hugging Face checkpoint folder) or
     `arch` (a `config.json` file or folder, or a built-in tiny preset name: random init)."""

@@ -1,1 +1,56 @@
-"""Distillation losses: pure tensor math, and the chunked student pass."""
+"""Distillation losses: pure tensor math, and the chunked student pass.
+
+- `teacher_targets` → `TeacherTargets`: a teacher's top-k + tail at KD positions and its
+  next-token log-probs, computed in chunks under `no_grad`.
+- Divergences on log-probs with masks and sum reduction: `forward_kl`, `reverse_kl`, `jsd`,
+  `skew_kl`, `tvd`, `gold`, `uld`, `chunk_likelihood`, `ce`.
+- `student_loss(hidden, lm_head, labels, [KDTerm, ...], kd_ratio, ce_denominator)` → loss and
+  detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
+  reference backend.
+"""
+
+from crossdistill.losses.divergences import (
+    ce,
+    chunk_likelihood,
+    forward_kl,
+    gold,
+    jsd,
+    reverse_kl,
+    skew_kl,
+    tvd,
+    uld,
+)
+from crossdistill.losses.objective import student_loss
+from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, kd_count, kd_valid
+from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
+from crossdistill.losses.targets import (
+    TeacherTargets,
+    kd_positions,
+    next_token_nll,
+    teacher_targets,
+)
+
+__all__ = [
+    "LOSSES",
+    "Buckets",
+    "KDTerm",
+    "TeacherTargets",
+    "VocabProjection",
+    "ce",
+    "ce_count",
+    "chunk_likelihood",
+    "forward_kl",
+    "gold",
+    "jsd",
+    "kd_count",
+    "kd_positions",
+    "kd_valid",
+    "next_token_nll",
+    "project_topk",
+    "reverse_kl",
+    "skew_kl",
+    "student_loss",
+    "teacher_targets",
+    "tvd",
+    "uld",
+]
