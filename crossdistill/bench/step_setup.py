@@ -1,0 +1,264 @@
+"""The pieces of `crossdistill bench step`: building the models and data, timing the real step,
+a phase-by-phase profile, and the naive baseline."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crossdistill.config import DataConfig, OptimConfig, TeacherConfig
+from crossdistill.losses import kd_count, student_loss
+from crossdistill.models import Teacher, build_causal_lm, load_tokenizer
+from crossdistill.models.forward import final_hidden
+from crossdistill.train.optim import build_optimizer
+from crossdistill.train.step import StepSettings, TeacherSlot, make_term, train_step
+
+TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+
+
+@dataclass
+class Bench:
+    device: torch.device
+    student: Any
+    tok_s: Any
+    slots: list[TeacherSlot]
+    optimizer: Any
+    loader: Any
+    settings: StepSettings
+    teacher_ratio: list[float]
+    workdir: Any
+
+
+def _corpus(workdir: Path, min_bytes: int) -> Path:
+    """Real text from this machine: the Python standard library's sources, as JSONL."""
+    from crossdistill.train.demo_assets import stdlib_corpus
+
+    train, val = stdlib_corpus(max_files=2000, train_bytes=min_bytes, val_bytes=1)
+    path = workdir / "corpus.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for text in train + val:
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def build_bench(args) -> Bench:
+    from crossdistill.alignment import TokenBytes
+    from crossdistill.data import build_loader
+    from crossdistill.train.build import build_projection_for
+
+    device = torch.device(args.device)
+    workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
+    steps = args.warmup + args.steps + 4
+    corpus = _corpus(Path(workdir.name), min_bytes=steps * args.micro_batch * args.seq_len * 5)
+    tok_s = load_tokenizer(args.student_tokenizer)
+    toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
+    overrides = TINY if args.tiny else {}
+    student = build_causal_lm(
+        arch=args.student, device=device, dtype=torch.float32, overrides=overrides, seed=0
+    )
+    rows_s = student.get_output_embeddings().weight.shape[0]
+    slots = []
+    for i, (arch, tok) in enumerate(zip(args.teacher, toks_t)):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        model = build_causal_lm(
+            arch=arch, device=device, dtype=dtype, overrides=overrides, seed=1 + i
+        )
+        tcfg = TeacherConfig(name=f"{i}-{arch}", arch=arch, loss=args.loss, top_k=args.top_k)
+        proj = build_projection_for(
+            tcfg, tok, tok_s, model.get_output_embeddings().weight.shape[0], rows_s, device
+        )
+        lengths = torch.as_tensor(
+            TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64, device=device
+        )
+        slots.append(TeacherSlot(Teacher(model, tcfg.name), tcfg, proj, lengths))
+    data_cfg = DataConfig(
+        train=[str(corpus)],
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch,
+        num_workers=4 if device.type == "cuda" else 0,
+        val_fraction=0.0,
+    )
+    loader = build_loader(data_cfg, tok_s, toks_t, split="train")
+    settings = StepSettings(
+        kd_ratio=0.5,
+        teacher_mode="weighted",
+        loss_chunk_size=args.loss_chunk_size,
+        autocast=device.type == "cuda",
+        device=device,
+    )
+    optimizer = build_optimizer(student, OptimConfig())
+    bench = Bench(device, student, tok_s, slots, optimizer, iter(loader), settings, [], workdir)
+    sample = next(bench.loader)
+    n_s = int((sample.student.doc_ids >= 0).sum())
+    bench.teacher_ratio = [float((tb.doc_ids >= 0).sum()) / max(n_s, 1) for tb in sample.teachers]
+    return bench
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _one_step(bench: Bench, batch) -> None:
+    train_step(bench.student, bench.slots, [batch], bench.settings)
+    torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
+    bench.optimizer.step()
+    bench.optimizer.zero_grad(set_to_none=True)
+
+
+def timed_steps(bench: Bench, args) -> dict[str, float]:
+    """Warm-up, then `args.steps` real steps; the loader's blocking time is measured apart."""
+    dev = bench.device
+    for _ in range(args.warmup):
+        _one_step(bench, next(bench.loader).to(dev, non_blocking=True))
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    wait = 0.0
+    tokens = 0
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        w0 = time.perf_counter()
+        batch = next(bench.loader).to(dev, non_blocking=True)
+        wait += time.perf_counter() - w0
+        tokens += batch.student.input_ids.numel()
+        _one_step(bench, batch)
+    _sync(dev)
+    total = time.perf_counter() - t0
+    out = {
+        "tokens_per_s": tokens / total,
+        "ms/step": 1e3 * total / args.steps,
+        "loader_fraction": wait / total,
+    }
+    if dev.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
+    """The same work as a step, phase by phase with a device sync between phases (slower than
+    the real step; used for the split only)."""
+    from crossdistill.bench.step import Timer
+    from crossdistill.losses import teacher_targets
+    from crossdistill.losses.targets import kd_positions
+
+    dev, timer = bench.device, Timer(bench.device.type == "cuda")
+    for _ in range(repeats):
+        batch = next(bench.loader).to(dev)
+        labels = batch.student.labels.flatten()
+        terms = []
+        for k, slot in enumerate(bench.slots):
+            tb = batch.teachers[k]
+            with timer(f"teacher_body/{slot.cfg.name}"), torch.no_grad():
+                hidden = slot.teacher.hidden_states(tb.input_ids, tb.position_ids)
+            with timer(f"teacher_targets/{slot.cfg.name}"):
+                targets = teacher_targets(
+                    hidden.flatten(0, 1),
+                    slot.teacher.lm_head_weight,
+                    kd_positions(tb.chunks)[1],
+                    tb.labels.flatten(),
+                    top_k=slot.cfg.top_k,
+                    temperature=slot.cfg.temperature,
+                    chunk_size=bench.settings.loss_chunk_size,
+                )
+            term = make_term(slot, tb, targets, dev)
+            term.denominator = kd_count(term, labels).to(torch.float32)
+            terms.append(term)
+        with (
+            timer("student_body_forward"),
+            torch.autocast(dev.type, torch.bfloat16, enabled=bench.settings.autocast),
+        ):
+            hidden_s = final_hidden(
+                bench.student, batch.student.input_ids, batch.student.position_ids
+            )
+        with timer("student_loss"):
+            loss, _ = student_loss(
+                hidden_s.flatten(0, 1),
+                bench.student.get_output_embeddings().weight,
+                labels,
+                terms,
+                kd_ratio=0.5,
+                chunk_size=bench.settings.loss_chunk_size,
+            )
+        with timer("backward"):
+            loss.backward()
+        with timer("optimizer"):
+            torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
+            bench.optimizer.step()
+            bench.optimizer.zero_grad(set_to_none=True)
+    total = sum(timer.totals.values())
+    out = {f"ms/{k}": 1e3 * v / repeats for k, v in timer.totals.items()}
+    loss_time = sum(
+        v for k, v in timer.totals.items() if k.startswith("teacher_targets") or k == "student_loss"
+    )
+    out["loss_fraction"] = loss_time / total
+    return out
+
+
+def naive_step(bench: Bench, args) -> dict[str, float]:
+    """What a user writes without this library, same models, same student batch: full logits,
+    fp32 log-softmax, forward KL over the shared leading vocabulary ids (no alignment), CE."""
+    import torch.nn.functional as F
+
+    dev = bench.device
+    bench.optimizer.zero_grad(set_to_none=True)
+    bench.optimizer = None  # free our optimizer state: the baseline brings its own
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")
+
+    def step(batch) -> None:
+        ids, labels = batch.student.input_ids, batch.student.labels
+        with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
+            logits_s = bench.student(input_ids=ids, position_ids=batch.student.position_ids).logits
+            kl = 0.0
+            for slot in bench.slots:
+                with torch.no_grad():
+                    v_t = slot.teacher.lm_head_weight.shape[0]
+                    logits_t = slot.teacher.model(
+                        input_ids=ids.clamp(max=v_t - 1), position_ids=batch.student.position_ids
+                    ).logits
+                v = min(v_t, logits_s.shape[-1])
+                logp_t = F.log_softmax(logits_t.float(), -1)[..., :v]
+                logp_s = F.log_softmax(logits_s.float(), -1)[..., :v]
+                mask = (labels >= 0).float()
+                kl = kl + ((logp_t.exp() * (logp_t - logp_s)).sum(-1) * mask).sum() / mask.sum()
+            ce = F.cross_entropy(
+                logits_s.float().flatten(0, 1), labels.flatten(), ignore_index=-100
+            )
+            loss = 0.5 * ce + 0.5 * kl / max(len(bench.slots), 1)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    batches = [next(bench.loader).to(dev) for _ in range(args.steps)]
+    for b in batches[: args.warmup]:
+        step(b)
+    _sync(dev)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    tokens = 0
+    for b in batches:
+        tokens += b.student.input_ids.numel()
+        step(b)
+    _sync(dev)
+    total = time.perf_counter() - t0
+    out = {"naive_tokens_per_s": tokens / total, "ms/naive_step": 1e3 * total / len(batches)}
+    if dev.type == "cuda":
+        out["naive_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
