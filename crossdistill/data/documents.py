@@ -1,0 +1,117 @@
+"""From raw field values to documents, and the bad-input policy.
+
+A document is plain text (`str`) or a conversation (`list[Message]`). Anything else is `Bad`
+and goes through `BadInputPolicy`: `skip` logs a counted warning naming file and line and moves
+on; `error` stops with a `UserError` naming file and line. A batch is never built from a row
+that failed a check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from crossdistill.data.sources import Bad
+from crossdistill.errors import UserError
+
+log = logging.getLogger("crossdistill.data")
+
+# Long texts are tokenized in pieces of about this many characters, cut after a newline where
+# one is near, so no worker ever holds the token arrays of a whole huge document.
+PIECE_CHARS = 1 << 18
+_WARN_FIRST = 10  # per process: name every bad row up to here, then every power of ten
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+Document = str | list[Message]
+
+
+def check_document(value: Any, kind: Literal["text", "chat"], field: str) -> Document | Bad:
+    """Validate one field value: a non-empty UTF-8 string, or a list of OpenAI-style messages
+    (`{"role": str, "content": str}`) with at least one non-empty content. Message contents are
+    stripped of surrounding whitespace, because several chat templates trim them while others do
+    not, and the contents must be the same text for every tokenizer."""
+    if isinstance(value, Bad):
+        return value
+    if isinstance(value, (bytes, bytearray)):
+        try:
+            value = bytes(value).decode("utf-8")
+        except UnicodeDecodeError as e:
+            return Bad(f"non-UTF-8 bytes in field {field!r} at byte {e.start}")
+    if kind == "text":
+        if not isinstance(value, str):
+            return Bad(f"field {field!r} is a {type(value).__name__}, not a string")
+        if not value.strip():
+            return Bad("empty document")
+        return value
+    return _check_messages(value, field)
+
+
+def _check_messages(value: Any, field: str) -> Document | Bad:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return Bad(f"field {field!r} is a string, not a list of messages")
+    if not isinstance(value, list):
+        return Bad(f"field {field!r} is a {type(value).__name__}, not a list of messages")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            return Bad(f"message {i} has no string 'role'")
+        content = m.get("content")
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            return Bad(f"message {i} content is a {type(content).__name__}, not a string")
+        messages.append(Message(m["role"], content.strip()))
+    if not any(m.content for m in messages):
+        return Bad("empty document (no message has content)")
+    return messages
+
+
+def text_pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
+    """Cut a long text into consecutive pieces of about `piece_chars` characters, each cut right
+    after a newline (else a space) in the quarter-piece that follows the nominal position."""
+    if len(text) <= piece_chars:
+        return [text]
+    cuts = [0]
+    for nominal in range(piece_chars, len(text), piece_chars):
+        lo = max(nominal, cuts[-1] + 1)
+        window_end = min(len(text), lo + piece_chars // 4)
+        cut = text.find("\n", lo, window_end)
+        if cut < 0:
+            cut = text.find(" ", lo, window_end)
+        cut = lo if cut < 0 else cut + 1
+        if cut < len(text):
+            cuts.append(cut)
+    cuts.append(len(text))
+    return [text[a:b] for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+class BadInputPolicy:
+    """Counts bad rows; `skip` warns (file:line and the running count), `error` raises."""
+
+    def __init__(self, mode: Literal["skip", "error"]):
+        if mode not in ("skip", "error"):
+            raise UserError(f"data.bad_input must be 'skip' or 'error', got {mode!r}")
+        self.mode = mode
+        self.num_skipped = 0
+
+    def __call__(self, where: str, reason: str) -> None:
+        if self.mode == "error":
+            raise UserError(
+                f"bad input at {where}: {reason}. Fix or remove that row, "
+                "or set data.bad_input=skip to skip bad rows with a warning"
+            )
+        self.num_skipped += 1
+        n = self.num_skipped
+        if n <= _WARN_FIRST or str(n).rstrip("0") == "1":
+            log.warning("skipped bad input at %s: %s (%d skipped so far)", where, reason, n)

@@ -1,0 +1,117 @@
+"""One tokenizer as the data pipeline uses it: content and template encoding, document
+delimiters, byte table.
+
+Document conventions (each tokenizer keeps its own):
+- **Start**: plain-text documents start with the tokens the tokenizer itself puts in front of a
+  text (Llama-3 `<|begin_of_text|>`, Llama-2 `<s>`, none for Qwen, GPT-2, Phi-4). A chat
+  document starts with whatever its chat template renders (Llama-3's template writes the BOS).
+- **End**: every document ends with the tokenizer's end-of-document token: `<|endoftext|>` or
+  `<|end_of_text|>` when the vocabulary has it as a special token (the pretraining separator of
+  Qwen, GPT-2, Phi and Llama-3, whose chat `eos_token` differs), else `eos_token`. A chat
+  rendering that already ends with that token does not get a second one.
+- **Content** (document text, message contents) is encoded with special tokens read as plain
+  text: a literal `<|im_end|>` in a web page is text, not a control token. Template text is
+  encoded with special tokens parsed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from crossdistill.data.fast_tokenize import added_token_pattern, as_int64, build_fast_encoder
+from crossdistill.errors import UserError
+
+_DOC_END_NAMES = ("<|endoftext|>", "<|end_of_text|>")
+_FAST_CACHE: dict[str, Any] = {}
+
+
+class TokenizerSide:
+    """Everything the pipeline needs from one distinct tokenizer (keyed by fingerprint).
+
+    lengths: [V] int32 bytes covered by each id (0 for specials), from the alignment byte table.
+    bos_ids: ids put before a plain-text document; doc_end_id: id after every document.
+    """
+
+    def __init__(self, tok: Any, chat_template: str | None = None, fast: bool = True):
+        from crossdistill.alignment import TokenBytes
+        from crossdistill.models import tokenizer_fingerprint
+
+        self.tok = tok
+        self.name = str(getattr(tok, "name_or_path", "") or type(tok).__name__)
+        self.fingerprint = tokenizer_fingerprint(tok)
+        self.chat_template = chat_template or getattr(tok, "chat_template", None)
+        self.token_bytes = TokenBytes.from_tokenizer(tok)
+        self.lengths = self.token_bytes.lengths
+        backend = tok.backend_tokenizer
+        self._backend = backend
+        self._added = added_token_pattern(backend)
+        self._fast = _fast_encoder(self.fingerprint, backend) if fast else None
+        self.bos_ids, suffix = _added_ids(backend)
+        self.doc_end_id = suffix[-1] if suffix else _doc_end_id(tok, backend)
+        pad = getattr(tok, "pad_token_id", None)
+        self.pad_id = int(pad if pad is not None else (self.doc_end_id or 0))
+
+    @property
+    def is_fast(self) -> bool:
+        return self._fast is not None
+
+    def encode_content(self, text: str) -> np.ndarray:
+        """[n] int64 ids of document text or a message content (special tokens as text)."""
+        if self._fast is not None and (self._added is None or self._added.search(text) is None):
+            return as_int64(self._fast(text))
+        backend = self._backend
+        before = backend.encode_special_tokens
+        backend.encode_special_tokens = True  # read special-token strings as text
+        try:
+            return as_int64(backend.encode(text, add_special_tokens=False).ids)
+        finally:
+            backend.encode_special_tokens = before
+
+    def encode_template(self, text: str) -> np.ndarray:
+        """[n] int64 ids of chat-template text (special tokens parsed)."""
+        return as_int64(self._backend.encode(text, add_special_tokens=False).ids)
+
+    def render_chat(self, messages: list[dict[str, str]]) -> str:
+        """The chat template applied to `messages` (no generation prompt), as text. A fixed
+        date is passed because Llama-3's template prints today's date otherwise, and a batch
+        must not depend on the day it is built."""
+        if self.chat_template is None:
+            raise UserError(
+                f"tokenizer {self.name} has no chat template; chat data needs one "
+                "(use a tokenizer that ships one, or pass the template explicitly)"
+            )
+        return self.tok.apply_chat_template(
+            messages,
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=False,
+            date_string="26 Jul 2024",
+        )
+
+
+def _fast_encoder(fingerprint: str, backend: Any) -> Any:
+    # Building the tiktoken table takes ~1-2 s for a 150k vocabulary: once per process.
+    if fingerprint not in _FAST_CACHE:
+        _FAST_CACHE[fingerprint] = build_fast_encoder(backend)
+    return _FAST_CACHE[fingerprint]
+
+
+def _added_ids(backend: Any) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer's post-processor puts before and after a text."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a").ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
+    return [], []
+
+
+def _doc_end_id(tok: Any, backend: Any) -> int | None:
+    special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    for name in _DOC_END_NAMES:
+        if name in special:
+            return special[name]
+    eos = getattr(tok, "eos_token_id", None)
+    return None if eos is None else int(eos)

@@ -1,0 +1,204 @@
+"""The resumable loader the trainer uses, and `build_loader`, its one builder.
+
+Workers: with `num_workers = W > 0` each DataLoader worker is one consumer of the schedule
+(`rank * W + worker`) and builds whole batches (tokenize, align, pack, collate); the DataLoader
+hands them out round-robin, worker 0 first. The loader remembers, per worker, the state after
+the last batch it handed to the trainer, and which worker is next. On resume the workers start
+from those states and are renumbered so the next one is asked first: the stream continues
+exactly where it stopped. `num_workers = 0` runs the one consumer in the main process and gives
+the same batches as `num_workers = 1`. Changing `num_workers` or the world size changes the
+stream, so a resume with other values is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from crossdistill.data.batch import Batch
+from crossdistill.data.encoders import TokenizerSide
+from crossdistill.data.schedule import EmptyStream, Plan
+from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream
+from crossdistill.errors import UserError
+
+STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A user-caused error inside a worker, re-raised as one clean `UserError` in the trainer."""
+
+    message: str
+
+
+class PackedStream(IterableDataset):
+    """The per-consumer batch streams of one rank, as a DataLoader dataset. Yields
+    `(batch, (worker, state))` pairs."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        sides: list[TokenizerSide],
+        spec: StreamSpec,
+        rank: int,
+        num_workers: int,
+        repeat: bool,
+    ):
+        self.plan = plan
+        self.sides = sides
+        self.spec = spec
+        self.rank = rank
+        self.num_logical = max(1, num_workers)
+        self.repeat = repeat
+        self.start_states = [WorkerState()] * self.num_logical
+        self.worker_offset = 0
+
+    def consumer(self, logical: int) -> int:
+        return self.rank * self.num_logical + logical
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        info = get_worker_info()
+        physical = info.id if info is not None else 0
+        logical = (physical + self.worker_offset) % self.num_logical
+        try:
+            stream = batch_stream(
+                self.plan,
+                self.consumer(logical),
+                self.sides,
+                self.spec,
+                self.start_states[logical],
+                self.repeat,
+            )
+            for batch, state in stream:
+                yield batch, (logical, state)
+        except UserError as e:
+            yield _Failure(str(e)), None
+        except EmptyStream as e:
+            yield _Failure(_empty_message(e.consumer, self.plan.num_consumers)), None
+
+
+def _empty_message(consumer: int, num_consumers: int) -> str:
+    return (
+        f"data reader {consumer} of {num_consumers} (world size x data workers) gets no usable "
+        "document: give more data, or lower data.num_workers or the number of ranks"
+    )
+
+
+def _keep(item: Any) -> Any:
+    return item
+
+
+class DistillLoader:
+    """Iterate for `Batch`es. A train loader never ends (epochs follow each other) and resumes
+    from its `state_dict()`, which describes the batches handed out so far (use one iterator
+    at a time); a validation loader yields its split once per `iter()`, always the same
+    batches, the last one padded with empty rows. Ranks may get different numbers of
+    validation batches: `take(n)` gives exactly `n` on every rank."""
+
+    def __init__(self, stream: PackedStream, num_workers: int, pin_memory: bool, resumable: bool):
+        self.stream = stream
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.resumable = resumable
+        self._states = [WorkerState()] * stream.num_logical
+        self._next = 0
+        self.batches_yielded = 0
+
+    def __iter__(self) -> Iterator[Batch]:
+        n = self.stream.num_logical
+        if self.resumable:
+            self.stream.start_states, self.stream.worker_offset = list(self._states), self._next
+        else:
+            self.stream.start_states, self.stream.worker_offset = [WorkerState()] * n, 0
+        loader = DataLoader(
+            self.stream,
+            batch_size=None,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            collate_fn=_keep,
+        )
+        for batch, where in loader:
+            if isinstance(batch, _Failure):
+                raise UserError(batch.message)
+            if self.resumable:
+                logical, state = where
+                self._states[logical] = state
+                self._next = (logical + 1) % n
+                self.batches_yielded += 1
+            yield batch
+
+    def take(self, num: int) -> Iterator[Batch]:
+        """Exactly `num` batches of a validation loader, starting over where the split runs
+        out, so every data-parallel rank evaluates the same number of batches."""
+        given = 0
+        while given < num:
+            before = given
+            for batch in self:
+                yield batch
+                given += 1
+                if given == num:
+                    return
+            if given == before:
+                raise UserError("the validation split gave no batch")
+
+    @property
+    def num_skipped(self) -> int:
+        """Bad rows skipped so far (train loader), summed over workers."""
+        return sum(s.skipped for s in self._states)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the stream: per-worker positions (epoch, block, row,
+        piece, cut point inside the partly packed document), the next worker, and the settings
+        the stream depends on (checked on load)."""
+        return {
+            "version": STATE_VERSION,
+            "identity": self._identity(),
+            "workers": [s.to_dict() for s in self._states],
+            "next_worker": self._next,
+            "batches_yielded": self.batches_yielded,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not self.resumable:
+            raise UserError(
+                "a validation loader has no state to load; only the train loader resumes"
+            )
+        if state.get("version") != STATE_VERSION:
+            raise UserError(
+                f"data loader state version {state.get('version')} is not {STATE_VERSION}"
+            )
+        mine, theirs = self._identity(), state.get("identity", {})
+        changed = [k for k in mine if theirs.get(k) != mine[k]]
+        if changed:
+            detail = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine[k]!r}" for k in changed)
+            raise UserError(
+                f"cannot resume the data stream: {detail}. The batch order depends on these; "
+                "resume with the values of the checkpointed run"
+            )
+        self._states = [WorkerState.from_dict(d) for d in state["workers"]]
+        self._next = int(state["next_worker"])
+        self.batches_yielded = int(state["batches_yielded"])
+
+    def _identity(self) -> dict[str, Any]:
+        s = self.stream
+        return {
+            "seed": s.plan.seed,
+            "num_workers": s.num_logical,
+            "num_consumers": s.plan.num_consumers,
+            "rank": s.rank,
+            "seq_len": s.spec.seq_len,
+            "micro_batch_size": s.spec.batch_size,
+            "pad_multiple": s.spec.pad_multiple,
+            "loss_on": s.spec.loss_on,
+            "val_fraction": s.plan.val_fraction,
+            "num_blocks": int(s.plan.blocks.shape[0]),
+            "tokenizers": [side.fingerprint[:16] for side in s.sides],
+        }
+
+
+def default_pin_memory() -> bool:
+    return torch.cuda.is_available()

@@ -1,0 +1,179 @@
+"""Which rows each reader process sees, in what order: splitting, shuffling, sharding.
+
+The corpus is cut into blocks of rows that are cheap to read together (a slice of a JSONL file
+or Arrow table, a Parquet row group). Each epoch the blocks are permuted with `(seed, epoch)`
+and dealt round-robin to the *consumers* (`rank * num_workers + worker`), so ranks and workers
+see disjoint parts of the stream; inside a block the rows are permuted with
+`(seed, epoch, block)`. Nothing is stored per row: the train/validation split is a hash of
+`(seed, source, row)` compared with `val_fraction`, so a 100 GB corpus needs no row list.
+
+A position in a consumer's stream is a `Cursor`; positions only move forward, so the stream
+from any cursor is the same as the uninterrupted stream from that point on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from crossdistill.data.sources import ParquetSource, Source
+
+MAX_BLOCK_ROWS = 1024
+_BLOCKS_PER_CONSUMER = 4  # enough blocks that every consumer gets work on small corpora
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """A position in one consumer's stream: the row `row` (in shuffled order) of the
+    `block`-th block this consumer reads in `epoch`, piece `piece` of that row's document."""
+
+    epoch: int = 0
+    block: int = 0
+    row: int = 0
+    piece: int = 0
+
+    def as_list(self) -> list[int]:
+        return [self.epoch, self.block, self.row, self.piece]
+
+
+Split = Literal["train", "validation", "all"]
+
+
+class Plan:
+    """Blocks of a list of sources and the rule that splits rows into train / validation.
+
+    blocks: [N, 3] int64 rows `(source, start, stop)`.
+    """
+
+    def __init__(
+        self,
+        sources: list[Source],
+        split: Split,
+        val_fraction: float,
+        seed: int,
+        num_consumers: int,
+        shuffle: bool,
+    ):
+        self.sources = sources
+        self.split = split
+        self.val_fraction = float(val_fraction)
+        self.seed = int(seed) % (1 << 63)  # numpy seeds must be non-negative
+        self.num_consumers = int(num_consumers)
+        self.shuffle = shuffle
+        self.blocks = _make_blocks(sources, num_consumers)
+
+    def block_order(self, epoch: int, consumer: int) -> np.ndarray:
+        """Indices into `blocks` that `consumer` reads in `epoch`, in reading order."""
+        n = self.blocks.shape[0]
+        order = (
+            np.random.default_rng([self.seed, epoch]).permutation(n)
+            if self.shuffle
+            else np.arange(n)
+        )
+        return order[consumer :: self.num_consumers]
+
+    def rows(self, epoch: int, block_id: int) -> np.ndarray:
+        """Source row numbers of one block in `split`, in the epoch's order."""
+        src, start, stop = (int(x) for x in self.blocks[block_id])
+        rows = np.arange(start, stop, dtype=np.int64)
+        if self.split != "all":
+            is_val = _unit_hash(self.seed, src, rows) < self.val_fraction
+            rows = rows[is_val] if self.split == "validation" else rows[~is_val]
+        if self.shuffle:
+            rows = np.random.default_rng([self.seed, epoch, block_id]).permutation(rows)
+        return rows
+
+    def stream(
+        self, consumer: int, start: Cursor, repeat: bool
+    ) -> Iterator[tuple[Cursor, Any, str]]:
+        """`(cursor, value, where)` for each row from `start` on (piece 0 of each row; the
+        caller handles pieces). `value` is the source's raw value or `Bad`. With `repeat`
+        the epochs never end; a consumer that gets no row in a whole epoch raises."""
+        epoch = start.epoch
+        first = True
+        while True:
+            seen = 0
+            order = self.block_order(epoch, consumer)
+            b0 = start.block if first else 0
+            for bi in range(b0, order.size):
+                block_id = int(order[bi])
+                rows = self.rows(epoch, block_id)
+                r0 = start.row if first and bi == start.block else 0
+                if r0 >= rows.size:
+                    continue
+                src = int(self.blocks[block_id, 0])
+                values = _read_rows(self.sources[src], rows[r0:])
+                for ri, (row, value) in enumerate(zip(rows[r0:].tolist(), values), start=r0):
+                    seen += 1
+                    yield Cursor(epoch, bi, ri, 0), value, self.sources[src].where(row)
+            if not repeat:
+                return
+            if seen == 0 and not first:
+                raise EmptyStream(consumer)
+            first = False
+            epoch += 1
+
+
+class EmptyStream(Exception):
+    """A consumer's share of the data holds no row (turned into a UserError upstream)."""
+
+    def __init__(self, consumer: int):
+        super().__init__(consumer)
+        self.consumer = consumer
+
+
+def _read_rows(source: Source, rows: np.ndarray) -> list[Any]:
+    """Values of `rows` (any order): the covering range in one read when the rows are dense
+    in it, else each run of consecutive rows on its own (a sparse validation split)."""
+    if rows.size == 0:
+        return []
+    lo, hi = int(rows.min()), int(rows.max()) + 1
+    if 2 * rows.size >= hi - lo or isinstance(source, ParquetSource):
+        values = source.read(lo, hi)
+        return [values[r - lo] for r in rows.tolist()]
+    ordered = np.sort(rows)
+    breaks = np.flatnonzero(np.diff(ordered) != 1) + 1
+    got: dict[int, Any] = {}
+    for run in np.split(ordered, breaks):
+        a = int(run[0])
+        got.update(zip(range(a, a + run.size), source.read(a, a + run.size)))
+    return [got[r] for r in rows.tolist()]
+
+
+def _make_blocks(sources: list[Source], num_consumers: int) -> np.ndarray:
+    total = sum(s.num_rows for s in sources)
+    want = max(1, _BLOCKS_PER_CONSUMER * num_consumers)
+    block_rows = min(MAX_BLOCK_ROWS, max(1, math.ceil(total / want)))
+    out = []
+    for i, src in enumerate(sources):
+        groups = src.groups()
+        for start, stop in groups:
+            if isinstance(src, ParquetSource):
+                # Reading any row of a row group decodes all of it: keep groups whole unless
+                # there are too few of them to go round.
+                parts = max(1, math.ceil(want / max(1, len(groups))))
+                step = max(1, math.ceil((stop - start) / parts))
+            else:
+                step = block_rows
+            out.extend((i, a, min(stop, a + step)) for a in range(start, stop, step))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 3)
+
+
+def _unit_hash(seed: int, source: int, rows: np.ndarray) -> np.ndarray:
+    """A uniform number in [0, 1) per row from (seed, source, row): splitmix64 finalizer."""
+    with np.errstate(over="ignore"):
+        x = rows.astype(np.uint64) * _MIX
+        x ^= np.uint64((seed * 1_000_003 + source) & 0xFFFFFFFFFFFFFFFF) * np.uint64(
+            0xBF58476D1CE4E5B9
+        )
+        x ^= x >> np.uint64(30)
+        x *= np.uint64(0xBF58476D1CE4E5B9)
+        x ^= x >> np.uint64(27)
+        x *= np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) / float(1 << 53)

@@ -1,0 +1,195 @@
+"""The resumable loader: kill-and-resume gives the uninterrupted stream (in-process and with
+worker processes), data-parallel ranks get disjoint data, and start-up checks fail early."""
+
+from __future__ import annotations
+
+import json
+from itertools import islice
+
+import pytest
+import torch
+
+from crossdistill.alignment import TokenBytes
+from crossdistill.config import DataConfig
+from crossdistill.data import build_loader
+from crossdistill.errors import UserError
+from tests.unit.test_data_helpers import UNICODE_TEXTS, row_texts, stdlib_texts, write_jsonl
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CROSSDISTILL_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def pair(real_tokenizer):
+    """A cross-tokenizer pair that loads fast: GPT-2 student, Llama-2 teacher."""
+    return real_tokenizer("gpt2"), real_tokenizer("llama2")
+
+
+def _corpus(tmp_path, n: int = 40, max_chars: int = 700):
+    base = stdlib_texts(12, max_chars=max_chars) + UNICODE_TEXTS
+    docs = [f"document {i}. {base[i % len(base)]}" for i in range(n)]
+    return write_jsonl(tmp_path / "c.jsonl", docs), docs
+
+
+def _flat(batch) -> list[torch.Tensor]:
+    s = batch.student
+    out = [s.input_ids, s.labels, s.position_ids, s.doc_ids, s.target_bytes]
+    for t in batch.teachers:
+        out += [t.input_ids, t.labels, t.position_ids, t.doc_ids, t.chunks, t.kd_valid]
+    return out
+
+
+def _assert_same(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        fx, fy = _flat(x), _flat(y)
+        assert all(p.shape == q.shape and torch.equal(p, q) for p, q in zip(fx, fy))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_kill_and_resume_gives_the_uninterrupted_stream(tmp_path, pair, num_workers):
+    path, _ = _corpus(tmp_path, n=16, max_chars=200)
+    cfg = DataConfig(
+        train=[str(path)],
+        seq_len=96,
+        micro_batch_size=2,
+        pad_multiple=16,
+        num_workers=num_workers,
+        val_fraction=0.1,
+        seed=5,
+    )
+    tok_s, tok_t = pair
+    total, cut = 14, 5  # 16 short documents: the run crosses epoch boundaries
+    whole = list(islice(build_loader(cfg, tok_s, [tok_t, tok_s]), total))
+    first = build_loader(cfg, tok_s, [tok_t, tok_s])
+    head = list(islice(first, cut))  # islice takes no batch beyond `cut`
+    state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint stores
+    assert state["batches_yielded"] == cut and len(state["workers"]) == max(1, num_workers)
+    del first
+    resumed = build_loader(cfg, tok_s, [tok_t, tok_s])
+    resumed.load_state_dict(state)
+    tail = list(islice(resumed, total - cut))
+    _assert_same(head + tail, whole)
+    assert max(st["epoch"] for st in resumed.state_dict()["workers"]) >= 1
+
+
+def test_resume_with_other_settings_is_refused(tmp_path, pair):
+    path, _ = _corpus(tmp_path)
+    cfg = DataConfig(
+        train=[str(path)], seq_len=64, micro_batch_size=2, num_workers=0, val_fraction=0.0
+    )
+    loader = build_loader(cfg, *pair[:1], [pair[1]])
+    next(iter(loader))
+    state = loader.state_dict()
+    other = DataConfig(
+        train=[str(path)], seq_len=64, micro_batch_size=2, num_workers=3, val_fraction=0.0
+    )
+    with pytest.raises(UserError, match="num_workers"):
+        build_loader(other, pair[0], [pair[1]]).load_state_dict(state)
+
+
+def test_data_parallel_ranks_get_disjoint_documents(tmp_path, pair):
+    path, docs = _corpus(tmp_path, n=24)
+    tok_s = pair[0]
+    tb = TokenBytes.from_tokenizer(tok_s)
+    cfg = DataConfig(
+        train=[str(path)], seq_len=512, micro_batch_size=1, num_workers=0, val_fraction=0.0
+    )
+    seen = []
+    for rank in range(2):
+        loader = build_loader(cfg, tok_s, [], rank=rank, world_size=2)
+        text = b""
+        for batch in islice(loader, 4):
+            text += b"".join(row_texts(batch, None, tb)[0])
+        seen.append({i for i, d in enumerate(docs) if d.encode()[:40] in text})
+    assert seen[0] and seen[1] and not seen[0] & seen[1]
+
+
+def test_validation_is_repeatable_and_a_too_small_one_fails_at_start(tmp_path, pair):
+    path, _ = _corpus(tmp_path)
+    val = write_jsonl(tmp_path / "v.jsonl", ["A tiny held-out document."])
+    cfg = DataConfig(
+        train=[str(path)], validation=[str(val)], seq_len=64, micro_batch_size=2, num_workers=0
+    )
+    with pytest.raises(UserError, match="validation data too small"):
+        build_loader(cfg, pair[0], [pair[1]], split="validation")
+    cfg = DataConfig(
+        train=[str(path)], seq_len=64, micro_batch_size=2, num_workers=0, val_fraction=0.2
+    )
+    loader = build_loader(cfg, pair[0], [pair[1]], split="validation")
+    once, twice = list(loader), list(loader)
+    assert len(once) >= 1
+    _assert_same(once, twice)
+    _assert_same(list(loader.take(2 * len(once) + 1)), once + once + once[:1])
+    no_val = DataConfig(train=[str(path)], seq_len=64, micro_batch_size=2, val_fraction=0.0)
+    with pytest.raises(UserError, match="no validation data"):
+        build_loader(no_val, pair[0], [], split="validation")
+
+
+def test_too_few_documents_for_the_readers_fails_at_start(tmp_path, pair):
+    path = write_jsonl(tmp_path / "one.jsonl", ["just one document"])
+    cfg = DataConfig(
+        train=[str(path)], seq_len=32, micro_batch_size=1, num_workers=2, val_fraction=0.0
+    )
+    with pytest.raises(UserError, match="training data too small"):
+        build_loader(cfg, pair[0], [], rank=1, world_size=2)
+
+
+def test_resume_inside_a_long_document_read_in_pieces(tmp_path, pair):
+    from crossdistill.data.build import build_loader as build
+    from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream
+
+    long_doc = "\n".join(stdlib_texts(4, max_chars=1500, skip=1))
+    path = write_jsonl(tmp_path / "long.jsonl", [long_doc, "A short one.", long_doc[::-1]])
+    cfg = DataConfig(
+        train=[str(path)], seq_len=80, micro_batch_size=2, num_workers=0, val_fraction=0.0
+    )
+    stream = build(cfg, pair[0], [pair[1]]).stream
+    spec = StreamSpec(**{**stream.spec.__dict__, "piece_chars": 300})  # many pieces per document
+
+    def run(start, n):
+        return list(islice(batch_stream(stream.plan, 0, stream.sides, spec, start, True), n))
+
+    whole = run(WorkerState(), 16)
+    assert any(st.cursor.piece > 0 for _, st in whole)  # some states point inside a piece
+    # pieces (~75 tokens) of one document continue its document id and positions within a
+    # row (rows are 80 tokens): most rows hold a single document with positions 0..79 or
+    # continuing from where they restart
+    single = [
+        b.student.doc_ids[r]
+        for b, _ in whole
+        for r in range(2)
+        if bool((b.student.doc_ids[r] == 0).all())
+    ]
+    assert len(single) >= 16
+    for b, _ in whole:
+        for r in range(2):
+            if bool((b.student.doc_ids[r] == 0).all()):
+                assert b.student.position_ids[r].tolist() == list(range(80))
+    for k in (3, 7, 11):
+        _assert_same([b for b, _ in run(whole[k - 1][1], 16 - k)], [b for b, _ in whole[k:]])
+
+
+def test_a_batch_is_one_buffer_and_moves_as_one(tmp_path, pair):
+    from crossdistill.data.batch import _map_buffers
+
+    path, _ = _corpus(tmp_path, n=8)
+    cfg = DataConfig(
+        train=[str(path)], seq_len=64, micro_batch_size=2, num_workers=0, val_fraction=0.0
+    )
+    batch = next(iter(build_loader(cfg, pair[0], [pair[1], pair[0]])))
+    tensors = _flat(batch)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one IPC segment
+    copies = []
+    moved = _map_buffers(batch, lambda t: copies.append(t) or t.clone())
+    assert len(copies) == 1
+    for a, b in zip(tensors, _flat(moved)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    shared = moved.teachers[1].input_ids  # the same-tokenizer teacher still shares the buffer
+    assert (
+        shared.untyped_storage().data_ptr() == moved.student.input_ids.untyped_storage().data_ptr()
+    )
+    assert shared.storage_offset() == moved.student.input_ids.storage_offset()

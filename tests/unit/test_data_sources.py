@@ -1,0 +1,278 @@
+"""Corpus readers, the bad-input policy, and the split / shuffle / shard schedule."""
+
+from __future__ import annotations
+
+import json
+import logging
+from itertools import islice
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from crossdistill.config import DataConfig
+from crossdistill.data import build_loader, open_source
+from crossdistill.data.documents import text_pieces
+from crossdistill.data.schedule import Cursor, Plan
+from crossdistill.data.sources import Bad, jsonl_index
+from crossdistill.errors import UserError
+from tests.unit.test_data_helpers import UNICODE_TEXTS, row_texts, stdlib_texts, write_jsonl
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("CROSSDISTILL_CACHE", str(tmp_path / "cache"))
+
+
+def _docs(n: int = 30) -> list[str]:
+    base = stdlib_texts(8, max_chars=400) + UNICODE_TEXTS
+    return [f"{i}: {base[i % len(base)]}" for i in range(n)]
+
+
+def test_jsonl_index_matches_plain_split(tmp_path):
+    rng = np.random.default_rng(1)
+    for trailing in (True, False):
+        lines = [json.dumps({"text": "x" * int(rng.integers(0, 50))}) for _ in range(200)]
+        lines[7] = ""  # a blank line is a row that reads as None
+        body = "\n".join(lines) + ("\n" if trailing else "")
+        path = tmp_path / f"f{trailing}.jsonl"
+        path.write_text(body)
+        offsets = np.asarray(jsonl_index(str(path)))
+        starts = [0]
+        for i, ch in enumerate(body):
+            if ch == "\n" and i + 1 < len(body):
+                starts.append(i + 1)
+        assert offsets.tolist() == starts + [len(body)]
+        assert np.asarray(jsonl_index(str(path))).tolist() == offsets.tolist()  # from the cache
+        src = open_source(str(path), "auto", "text")
+        values = src.read(0, src.num_rows)
+        want = [json.loads(x)["text"] if x else None for x in lines]
+        assert values == want
+        assert src.read(150, 160) == want[150:160]
+
+
+def _write_all_formats(tmp_path, docs):
+    jl = write_jsonl(tmp_path / "d.jsonl", docs)
+    table = pa.table({"text": docs, "other": list(range(len(docs)))})
+    pq.write_table(table, tmp_path / "d.parquet", row_group_size=7)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        for batch in table.to_batches(max_chunksize=9):
+            w.write_batch(batch)
+    disk = tmp_path / "hf_disk"
+    disk.mkdir()
+    out = pa.OSFile(str(disk / "data-00000-of-00001.arrow"), "wb")
+    with out, pa.ipc.new_stream(out, table.schema) as w:  # `datasets` writes the stream format
+        w.write_table(table)
+    (disk / "state.json").write_text(
+        json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
+    )
+    (disk / "dataset_info.json").write_text("{}")
+    txt = tmp_path / "txt"
+    txt.mkdir()
+    for i, d in enumerate(docs):
+        (txt / f"{i:03d}.txt").write_text(d)
+    return [jl, tmp_path / "d.parquet", tmp_path / "d.arrow", disk, txt]
+
+
+def test_every_format_reads_the_same_documents(tmp_path):
+    docs = _docs(30)
+    for path in _write_all_formats(tmp_path, docs):
+        src = open_source(str(path), "auto", "text")
+        assert src.num_rows == 30, path
+        got = []
+        for a, b in src.groups():
+            got.extend(src.read(a, b))
+        assert got == docs, path
+        assert src.read(11, 23) == docs[11:23], path
+
+
+def test_missing_column_and_dataset_dict_fail_at_open(tmp_path):
+    paths = _write_all_formats(tmp_path, _docs(5))
+    for path in paths[1:4]:
+        with pytest.raises(UserError, match="no column 'content'"):
+            open_source(str(path), "auto", "content")
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train", "test"]}')
+    with pytest.raises(UserError, match="DatasetDict"):
+        open_source(str(tmp_path / "dd"), "auto", "text")
+    with pytest.raises(UserError, match="not found"):
+        open_source(str(tmp_path / "nope.jsonl"), "auto", "text")
+
+
+def _bad_corpus(tmp_path):
+    good = _docs(6)
+    lines = [
+        json.dumps({"text": good[0]}).encode(),
+        b'{"text": "unterminated',
+        json.dumps({"title": "x"}).encode(),
+        json.dumps({"text": good[1]}).encode(),
+        b'{"text": "caf\xe9 latin-1"}',
+        json.dumps({"text": "  \n "}).encode(),
+        json.dumps({"text": good[2]}).encode(),
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path, good[:3]
+
+
+def test_bad_input_skip_warns_with_file_line_and_count(tmp_path, real_tokenizer, caplog):
+    path, good = _bad_corpus(tmp_path)
+    tok = real_tokenizer("gpt2")
+    cfg = DataConfig(
+        train=[str(path)],
+        seq_len=64,
+        micro_batch_size=1,
+        num_workers=0,
+        val_fraction=0.0,
+        bad_input="skip",
+    )
+    from crossdistill.alignment import TokenBytes
+
+    tb = TokenBytes.from_tokenizer(tok)
+    with caplog.at_level(logging.WARNING, logger="crossdistill.data"):
+        loader = build_loader(cfg, tok, [])
+        text = b""
+        for batch in islice(loader, 40):
+            text += b"".join(row_texts(batch, None, tb)[0])
+            if good[2].encode() in text:
+                break
+    messages = [r.getMessage() for r in caplog.records]
+    for line, reason in [
+        (2, "malformed JSON"),
+        (3, "missing field 'text'"),
+        (5, "non-UTF-8"),
+        (6, "empty document"),
+    ]:
+        assert any(f"bad.jsonl:{line}: {reason}" in m for m in messages), (line, messages)
+    assert any("(4 skipped so far)" in m for m in messages)
+    assert loader.num_skipped >= 4
+    decoded = text.decode()
+    assert (
+        good[0] in decoded
+        and good[1] in decoded
+        and "latin-1" not in decoded
+        and "title" not in decoded
+    )
+
+
+@pytest.mark.parametrize(
+    "line,content",
+    [
+        (2, b'{"text": "unterminated'),
+        (2, b'{"title": 1}'),
+        (2, b'{"text": "\xff"}'),
+        (2, b'{"text": ""}'),
+    ],
+)
+def test_bad_input_error_names_file_and_line(tmp_path, real_tokenizer, line, content):
+    path = tmp_path / "e.jsonl"
+    path.write_bytes(json.dumps({"text": "fine text"}).encode() + b"\n" + content + b"\n")
+    cfg = DataConfig(
+        train=[str(path)],
+        seq_len=32,
+        micro_batch_size=1,
+        num_workers=0,
+        val_fraction=0.0,
+        bad_input="error",
+    )
+    with pytest.raises(UserError, match=rf"e\.jsonl:{line}: .*data\.bad_input=skip"):
+        for _ in islice(build_loader(cfg, real_tokenizer("gpt2"), []), 5):
+            pass
+
+
+def test_non_utf8_text_file_is_bad_with_its_line(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_bytes(b"line one\nline two\nbad \xff byte\n")
+    src = open_source(str(tmp_path / "t"), "auto", "text")
+    (value,) = src.read(0, 1)
+    assert isinstance(value, Bad) and "line 3" in value.reason
+
+
+def _plan_rows(plan: Plan, consumer: int, epoch: int = 0) -> list[tuple[int, int]]:
+    out = []
+    for block_id in plan.block_order(epoch, consumer):
+        src = int(plan.blocks[block_id, 0])
+        out.extend((src, int(r)) for r in plan.rows(epoch, int(block_id)))
+    return out
+
+
+def test_split_is_disjoint_deterministic_and_near_the_fraction(tmp_path):
+    srcs = [
+        open_source(str(write_jsonl(tmp_path / f"{i}.jsonl", _docs(700))), "jsonl", "text")
+        for i in range(2)
+    ]
+    train = Plan(srcs, "train", 0.1, seed=3, num_consumers=1, shuffle=True)
+    val = Plan(srcs, "validation", 0.1, seed=3, num_consumers=1, shuffle=False)
+    rows_t, rows_v = _plan_rows(train, 0), _plan_rows(val, 0)
+    assert not set(rows_t) & set(rows_v)
+    assert sorted(rows_t + rows_v) == [(s, r) for s in range(2) for r in range(700)]
+    assert 0.06 < len(rows_v) / 1400 < 0.14
+    assert (
+        _plan_rows(Plan(srcs, "validation", 0.1, seed=3, num_consumers=1, shuffle=False), 0)
+        == rows_v
+    )
+    assert set(
+        _plan_rows(Plan(srcs, "validation", 0.1, seed=4, num_consumers=1, shuffle=False), 0)
+    ) != set(rows_v)
+
+
+def test_shards_are_disjoint_and_cover_everything_each_epoch(tmp_path):
+    src = open_source(str(write_jsonl(tmp_path / "s.jsonl", _docs(500))), "jsonl", "text")
+    plan = Plan([src], "all", 0.0, seed=0, num_consumers=6, shuffle=True)
+    for epoch in (0, 1):
+        shares = [_plan_rows(plan, c, epoch) for c in range(6)]
+        flat = [r for s in shares for r in s]
+        assert sorted(flat) == [(0, r) for r in range(500)] and all(shares)
+    order0 = [r for c in range(6) for r in _plan_rows(plan, c, 0)]
+    order1 = [r for c in range(6) for r in _plan_rows(plan, c, 1)]
+    assert order0 != order1  # reshuffled every epoch
+    # the stream from a cursor is the tail of the stream from the start
+    whole = list(_take_stream(plan, 2, Cursor(), 120))
+    start = whole[50][0]
+    assert list(_take_stream(plan, 2, start, 70)) == whole[50:]
+
+
+def _take_stream(plan, consumer, cursor, n):
+    for i, (cur, value, _) in enumerate(plan.stream(consumer, cursor, repeat=True)):
+        if i == n:
+            return
+        yield cur, value
+
+
+def test_parquet_row_groups_stay_whole_when_there_are_enough(tmp_path):
+    docs = _docs(60)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "p.parquet", row_group_size=5)
+    src = open_source(str(tmp_path / "p.parquet"), "auto", "text")
+    plan = Plan([src], "all", 0.0, seed=0, num_consumers=2, shuffle=True)
+    assert plan.blocks[:, 1].tolist() == list(range(0, 60, 5))
+
+
+def test_text_pieces_cover_the_text_and_cut_after_newlines():
+    text = "".join(stdlib_texts(5, max_chars=5000))
+    for size in (257, 1000, 4096):
+        pieces = text_pieces(text, size)
+        assert "".join(pieces) == text
+        assert all(0 < len(p) <= size + size // 4 for p in pieces)
+        assert sum(p.endswith("\n") for p in pieces[:-1]) >= 0.9 * (len(pieces) - 1)
+    assert text_pieces("short", 100) == ["short"]
+
+
+def test_an_error_in_a_worker_process_reaches_the_trainer_as_one_user_error(
+    tmp_path, real_tokenizer
+):
+    path = tmp_path / "w.jsonl"
+    path.write_bytes(b'{"text": "fine"}\n{"text": 3}\n')
+    cfg = DataConfig(
+        train=[str(path)],
+        seq_len=32,
+        micro_batch_size=1,
+        num_workers=1,
+        val_fraction=0.0,
+        bad_input="error",
+    )
+    with pytest.raises(UserError) as info:
+        next(iter(build_loader(cfg, real_tokenizer("gpt2"), [])))
+    message = str(info.value)
+    assert "w.jsonl:2: field 'text' is a int, not a string" in message
+    assert "Traceback" not in message and "\n" not in message
