@@ -19,4 +19,4 @@ $py -m crossdistill bench step --json --baseline naive --seq-len 2048 --micro-ba
 $py -m crossdistill bench step --json --baseline naive --seq-len 2048 --micro-batch 4 \
     --student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf" \
     --teacher phi-4-mini --teacher-tokenizer "$TOK/phi-4-mini/hf" \
-    --teacher llama-3.2-3b --teacher-tokenizer "$TOK/llama3/hf" | tee "$OUT/step-phi4mini+llama3b-llama-1b-2048-$stamp.json"
+    --teacher llama-3.2-3b --teacher-tokenizer "$TOK/llama3/hf" | tee "$OUT/step-phi4mini-llama3b-llama-1b-2048-$stamp.json"

@@ -50,9 +50,10 @@ class ModelConfig:
     tokenizer: str | None = None  # folder, HF id or tiktoken file; defaults to `path`
     dtype: str = "bfloat16"
     attn_implementation: str = "sdpa"
-    overrides: dict[str, Any] = field(
-        default_factory=dict
-    )  # HF config fields, e.g. num_hidden_layers
+    # HF config fields to change, e.g. {num_hidden_layers: 4}
+    overrides: dict[str, Any] = field(default_factory=dict)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass

@@ -1,1 +1,38 @@
-"""Parallel layouts and their application (FSDP2, TP, CP)."""
+"""Scale-out with `torchrun`: one layout object per model, and functions that apply it.
+
+- `layout.py`: `ParallelLayout` (dp_replicate x dp_shard x cp x tp, checked against the world
+  size, the model's heads and the sequence length) builds one named mesh; `init_distributed`.
+- `parallelize.py`: `apply_tp`, `apply_cp`, `apply_fsdp`, `apply_activation_checkpointing`,
+  `apply_compile`, and `parallelize_model`, which calls them in order; TP plans per model family
+  in `tp_plans.py`; context-parallel attention in `cp.py`.
+- `loading.py`: meta init -> parallelize -> each rank reads only its shards from safetensors.
+- `runtime.py`: the training step's placement across ranks (teacher inputs gathered across
+  layouts, vocab-parallel lm_head, sequence shards, reductions); `grads.py`: gradient clipping
+  over mixed shardings; `checkpoint.py`: sharded checkpoints (DCP) and the gathered HF export.
+"""
+
+from crossdistill.distributed.grads import clip_grad_norm_
+from crossdistill.distributed.layout import DistEnv, ParallelLayout, init_distributed
+from crossdistill.distributed.loading import build_parallel_model
+from crossdistill.distributed.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_cp,
+    apply_fsdp,
+    apply_tp,
+    parallelize_model,
+)
+
+__all__ = [
+    "DistEnv",
+    "ParallelLayout",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "apply_cp",
+    "apply_fsdp",
+    "apply_tp",
+    "build_parallel_model",
+    "clip_grad_norm_",
+    "init_distributed",
+    "parallelize_model",
+]

@@ -21,7 +21,7 @@ from crossdistill.losses.divergences import (
     uld,
 )
 from crossdistill.losses.objective import student_loss
-from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, kd_count, kd_valid
+from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
 from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
 from crossdistill.losses.targets import (
     TeacherTargets,
@@ -39,6 +39,7 @@ __all__ = [
     "ce",
     "ce_count",
     "chunk_likelihood",
+    "flatten_chunks",
     "forward_kl",
     "gold",
     "jsd",

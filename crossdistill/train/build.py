@@ -4,19 +4,20 @@ the loaders' first batch."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from crossdistill.config import Config, TeacherConfig
+from crossdistill.distributed.layout import DistEnv
 from crossdistill.errors import UserError
 from crossdistill.losses import VocabProjection
 from crossdistill.models import Teacher, build_causal_lm, load_tokenizer, tokenizer_fingerprint
 from crossdistill.models.loading import parse_dtype
 from crossdistill.train.optim import build_optimizer, build_scheduler
-from crossdistill.train.step import TeacherSlot
+from crossdistill.train.step import Placement, SingleProcess, TeacherSlot
 from crossdistill.train.validate import check_vocab, validate_config
 
 
@@ -32,6 +33,9 @@ class Components:
     train_loader: Any
     val_loader: Any
     teacher_bpb: dict[str, float]
+    env: DistEnv = field(default_factory=DistEnv)
+    placement: Placement | None = None  # how the step is laid out (set by `build_components`)
+    fused: dict[str, torch.Tensor] = field(default_factory=dict)  # TP row orders (see tp_plans)
 
 
 def pick_device(name: str) -> torch.device:
@@ -87,13 +91,23 @@ def _padded(
     )
 
 
-def build_components(cfg: Config) -> Components:
-    """Tokenizers, projections, models, optimizer and loaders for `cfg`."""
+def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
+    """Tokenizers, projections, models, optimizer and loaders for `cfg`; under `torchrun`
+    (`env` of several processes) every model in its own layout, loaded sharded."""
     from crossdistill.alignment import TokenBytes
-    from crossdistill.data import build_loader
 
+    env = env or DistEnv()
     resolved_s, resolved_t = validate_config(cfg)
-    device = pick_device(cfg.train.device)
+    layouts = None
+    if env.distributed:
+        from crossdistill.distributed.setup import plan_layouts
+
+        layouts = plan_layouts(
+            cfg, env.world_size, resolved_s.hf_config, [r.hf_config for r in resolved_t]
+        )
+        device = env.device
+    else:
+        device = pick_device(cfg.train.device)
     tok_s = load_tokenizer(resolved_s.tokenizer_spec)
     toks_t = [load_tokenizer(r.tokenizer_spec) for r in resolved_t]
     check_vocab(resolved_s, tok_s)
@@ -104,9 +118,58 @@ def build_components(cfg: Config) -> Components:
         build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
         for t, tok, r in zip(cfg.teachers, toks_t, resolved_t)
     ]
-    train_loader = build_loader(cfg.data, tok_s, toks_t, split="train")
-    val_loader = build_loader(cfg.data, tok_s, toks_t, split="validation")
+    if layouts is None:
+        placement: Placement = SingleProcess(device)
+        train_loader, val_loader = _loaders(cfg, tok_s, toks_t, 0, 1)
+        student, models_t, fused = _single_models(cfg, device), None, {}
+    else:
+        from crossdistill.distributed.setup import build_placement, parallel_models
 
+        placement = build_placement(env, layouts)
+        train_loader, val_loader = _loaders(
+            cfg, tok_s, toks_t, placement.data_rank, placement.data_size
+        )
+        student, models_t, fused = parallel_models(cfg, placement)
+    slots = []
+    for i, (t, tok, proj) in enumerate(zip(cfg.teachers, toks_t, projections)):
+        model = _single_teacher(cfg, t, device) if models_t is None else models_t[i]
+        lengths = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
+        slots.append(
+            TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj, lengths.to(device))
+        )
+    optimizer = build_optimizer(student, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    return Components(
+        device,
+        student,
+        tok_s,
+        toks_t,
+        slots,
+        optimizer,
+        scheduler,
+        train_loader,
+        val_loader,
+        {},
+        env,
+        placement,
+        fused,
+    )
+
+
+def _loaders(cfg: Config, tok_s, toks_t, rank: int, world_size: int) -> tuple[Any, Any]:
+    """Train and validation loaders of this data-parallel rank."""
+    from crossdistill.data import build_loader
+
+    train_loader = build_loader(
+        cfg.data, tok_s, toks_t, split="train", rank=rank, world_size=world_size
+    )
+    val_loader = build_loader(
+        cfg.data, tok_s, toks_t, split="validation", rank=rank, world_size=world_size
+    )
+    return train_loader, val_loader
+
+
+def _single_models(cfg: Config, device: torch.device) -> nn.Module:
     s = cfg.student
     student = build_causal_lm(
         s.path,
@@ -121,23 +184,20 @@ def build_components(cfg: Config) -> Components:
         student.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": False}
         )
-    slots = []
-    for t, tok, proj in zip(cfg.teachers, toks_t, projections):
-        model = build_causal_lm(
-            t.path,
-            t.arch,
-            device=device,
-            dtype=parse_dtype(t.dtype),
-            overrides=t.overrides,
-            attn_implementation=t.attn_implementation,
-            seed=cfg.train.seed + 1,
-        )
-        lengths = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
-        slots.append(
-            TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj, lengths.to(device))
-        )
-    optimizer = build_optimizer(student, cfg.optim)
-    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
-    return Components(
-        device, student, tok_s, toks_t, slots, optimizer, scheduler, train_loader, val_loader, {}
+    if getattr(s, "compile", False):
+        from crossdistill.distributed.parallelize import apply_compile
+
+        apply_compile(student)
+    return student
+
+
+def _single_teacher(cfg: Config, t: TeacherConfig, device: torch.device) -> nn.Module:
+    return build_causal_lm(
+        t.path,
+        t.arch,
+        device=device,
+        dtype=parse_dtype(t.dtype),
+        overrides=t.overrides,
+        attn_implementation=t.attn_implementation,
+        seed=cfg.train.seed + 1,
     )

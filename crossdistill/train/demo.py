@@ -25,28 +25,14 @@ from crossdistill.errors import UserError
 # Sizes chosen so the whole demo runs in about 4 minutes on 2 CPU cores.
 DEMO = {
     "seq_len": 256,
-    "micro_batch_size": 8,
-    "teacher": {
-        "hidden_size": 256,
-        "intermediate_size": 768,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "steps": 300,
-        "lr": 2e-3,
-    },
-    "student": {
-        "hidden_size": 128,
-        "intermediate_size": 384,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "steps": 200,
-        "lr": 2e-3,
-    },
-    "kd_ratio": 0.7,
+    "micro_batch_size": 4,
+    "teacher": {"hidden_size": 192, "intermediate_size": 512, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "steps": 240, "lr": 1e-3},
+    "student": {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "steps": 150, "lr": 2e-3},
+    "kd_ratio": 0.5,
     "top_k": 32,
-    "eval_batches": 12,
+    "eval_batches": 16,
 }
 QUICK = {"teacher_steps": 6, "student_steps": 4, "eval_batches": 2}
 

@@ -15,8 +15,7 @@ import torch
 
 from crossdistill.config import Config
 from crossdistill.losses import kd_count, next_token_nll, student_loss
-from crossdistill.models.forward import final_hidden
-from crossdistill.train.step import make_term, run_teacher, target_bytes
+from crossdistill.train.step import SingleProcess, make_term, shard_kwargs, target_bytes
 
 LN2 = math.log(2.0)
 
@@ -24,14 +23,16 @@ LN2 = math.log(2.0)
 @torch.no_grad()
 def evaluate(c: Any, cfg: Config) -> dict[str, float]:
     """Metrics over the first `train.eval_batches` validation batches (the same ones every
-    time). Every sum is divided once at the end, so the values do not depend on batching."""
+    time). Every sum is divided once at the end, so the values do not depend on batching; under
+    `torchrun` the sums of all data-parallel ranks are added first."""
     dev = c.device
+    place = c.placement if c.placement is not None else SingleProcess(dev)
     was_training = c.student.training
     c.student.eval()
-    lm_head = c.student.get_output_embeddings().weight
-    sums: dict[str, torch.Tensor] = {}
+    whole: dict[str, torch.Tensor] = {}  # per micro-batch: summed over data-parallel ranks
+    parts: dict[str, torch.Tensor] = {}  # partial loss sums: over every rank holding a part
 
-    def add(key: str, value: torch.Tensor) -> None:
+    def add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
         sums[key] = sums.get(key, 0) + value.double()
 
     for s in c.slots:
@@ -44,38 +45,48 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
         terms = []
         for k, slot in enumerate(c.slots):
             tb = batch.teachers[k]
-            targets = run_teacher(slot, tb, cfg.train.loss_chunk_size, dev)
+            targets = place.teacher_targets(slot, k, tb, cfg.train.loss_chunk_size)
             term = make_term(slot, tb, targets, dev)
             term.denominator = torch.ones((), device=dev)
             terms.append(term)
-            add(f"kdn/{slot.cfg.name}", kd_count(term, labels))
+            add(whole, f"kdn/{slot.cfg.name}", kd_count(term, labels))
             if slot.cfg.name not in c.teacher_bpb:
-                add(f"tnll/{slot.cfg.name}", next_token_nll(targets)[0])
-                add(f"tbytes/{slot.cfg.name}", target_bytes(slot, tb.labels.to(dev)))
+                add(whole, f"tnll/{slot.cfg.name}", next_token_nll(targets)[0])
+                add(whole, f"tbytes/{slot.cfg.name}", target_bytes(slot, tb.labels.to(dev)))
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            hidden = final_hidden(
-                c.student, batch.student.input_ids.to(dev), batch.student.position_ids.to(dev)
-            )
+            hidden, rows = place.student_hidden(c.student, batch.student)
+        lm_head, vocab = place.lm_head(c.student)
         _, metrics = student_loss(
-            hidden.flatten(0, 1),
+            hidden,
             lm_head,
             labels,
             terms,
             kd_ratio=0.5,
             ce_denominator=torch.ones((), device=dev),
             chunk_size=cfg.train.loss_chunk_size,
+            **shard_kwargs(rows, vocab),
         )
-        add("ce_sum", metrics["ce"])
-        add("ce_n", metrics["num_ce"])
-        add("bytes", batch.student.target_bytes.to(dev).sum())
+        add(parts, "ce_sum", metrics["ce"])
+        add(parts, "ce_n", metrics["num_ce"])
+        add(whole, "bytes", batch.student.target_bytes.to(dev).sum())
         for slot in c.slots:
-            add(f"kd/{slot.cfg.name}", metrics[f"kd/{slot.cfg.name}"])
-            add(f"top1/{slot.cfg.name}", metrics[f"top1/{slot.cfg.name}"])
+            add(parts, f"kd/{slot.cfg.name}", metrics[f"kd/{slot.cfg.name}"])
+            add(parts, f"top1/{slot.cfg.name}", metrics[f"top1/{slot.cfg.name}"])
     for s in c.slots:
         if s.teacher.offload:
             s.teacher.to("cpu")
     c.student.train(was_training)
+    sums = {**_reduced(whole, place.reduce_counts), **_reduced(parts, place.reduce_sums)}
     return _finish(c, sums)
+
+
+def _reduced(sums: dict[str, torch.Tensor], reduce) -> dict[str, torch.Tensor]:
+    """`reduce` applied to all the sums at once (one collective under `torchrun`)."""
+    if not sums:
+        return sums
+    keys = list(sums)
+    flat = reduce(torch.stack([torch.as_tensor(sums[k]) for k in keys]))
+    return {k: flat[i] for i, k in enumerate(keys)}
 
 
 def _finish(c: Any, sums: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -2,6 +2,9 @@
 
 fetch a window of micro-batches -> teachers' top-k targets -> student forward + chunked loss ->
 backward -> (skip if non-finite) clip -> step -> log -> every N steps validate / checkpoint.
+
+The same loop runs in one process or in every process of a `torchrun` job: the layouts decide
+what each rank holds (`crossdistill.distributed`), rank 0 alone logs and exports.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pathlib import Path
 import torch
 
 from crossdistill.config import Config, save_config
+from crossdistill.distributed.grads import clip_grad_norm_
+from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.checkpoint import (
@@ -34,10 +39,21 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 
     `stop_after`: leave after this many steps of this invocation, right after a checkpoint
     would be due or not, exactly as a killed job would (for time-sliced schedulers: resume
-    with `resume=True`)."""
+    with `resume=True`). Under `torchrun`, every process calls this; rank 0 returns the
+    metrics, the other ranks an empty dict (so that the job reports them once)."""
+    env = init_distributed(cfg.train.device)
+    try:
+        final = _train(cfg, env, resume, stop_after)
+        return final if env.is_main else {}
+    finally:
+        if env.owns_group:
+            torch.distributed.destroy_process_group()
+
+
+def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> dict[str, float]:
     run_dir = Path(cfg.run.out_dir)
     check_writable(run_dir, MIN_FREE_BYTES)
-    latest = load_latest(run_dir) if resume else None
+    latest = _find_latest(run_dir, env) if resume else None
     if (
         not resume
         and (run_dir / "checkpoints").is_dir()
@@ -48,11 +64,12 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
             "another run.out_dir"
         )
     torch.manual_seed(cfg.train.seed)
-    c = build_components(cfg)
-    save_config(cfg, run_dir / "config.json")
+    c = build_components(cfg, env)
+    if env.is_main:
+        save_config(cfg, run_dir / "config.json")
     start_step = 0
     if latest is not None:
-        start_step = _restore(c, *latest)
+        start_step = _restore(c, latest)
     settings = StepSettings(
         kd_ratio=cfg.train.kd_ratio,
         teacher_mode=cfg.train.teacher_mode,
@@ -60,13 +77,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         autocast=c.device.type == "cuda",
         device=c.device,
     )
-    logger = MetricsLogger(
-        run_dir,
-        cfg.train.steps,
-        tensorboard=cfg.run.tensorboard,
-        progress=cfg.run.progress,
-        resume_step=start_step if latest is not None else None,
-    )
+    logger = _logger(cfg, env, run_dir, start_step if latest is not None else None)
     final: dict[str, float] = {}
     skipped = 0
     with logger:
@@ -75,8 +86,8 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
         for step in range(start_step, cfg.train.steps):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
-            metrics = train_step(c.student, c.slots, window, settings)
-            grad_norm = torch.nn.utils.clip_grad_norm_(c.student.parameters(), cfg.optim.grad_clip)
+            metrics = train_step(c.student, c.slots, window, settings, placement=c.placement)
+            grad_norm = clip_grad_norm_(c.student.parameters(), cfg.optim.grad_clip)
             if not bool(torch.isfinite(metrics["loss"]) & torch.isfinite(grad_norm)):
                 # one host sync per step, outside the loss: a non-finite step is skipped
                 c.optimizer.zero_grad(set_to_none=True)
@@ -101,7 +112,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
                 metrics.update(
                     grad_norm=grad_norm,
                     lr=c.scheduler.get_last_lr()[0],
-                    tokens_per_s=tokens / max(now - t_last, 1e-9),
+                    tokens_per_s=_all_tokens(c, tokens) / max(now - t_last, 1e-9),
                 )
                 logger.log(done, metrics)
                 t_last, tokens = now, 0
@@ -116,6 +127,60 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     return final
 
 
+class _Silent:
+    """The logger of ranks other than 0: a job logs once."""
+
+    def log(self, step: int, scalars) -> None:
+        return None
+
+    def write(self, message: str) -> None:
+        return None
+
+    def __enter__(self) -> _Silent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _logger(cfg: Config, env: DistEnv, run_dir: Path, resume_step: int | None):
+    if not env.is_main:
+        return _Silent()
+    return MetricsLogger(
+        run_dir,
+        cfg.train.steps,
+        tensorboard=cfg.run.tensorboard,
+        progress=cfg.run.progress,
+        resume_step=resume_step,
+    )
+
+
+def _all_tokens(c: Components, tokens: int) -> float:
+    """Target tokens of the whole job since the last log (each data-parallel rank read its own)."""
+    if not c.env.distributed:
+        return tokens
+    count = torch.tensor([float(tokens)], dtype=torch.float64, device=c.device)
+    return float(c.placement.reduce_counts(count)[0])
+
+
+def _find_latest(run_dir: Path, env: DistEnv):
+    """("single", (step, state)) or ("dcp", (step, folder)) for the newest checkpoint, or None."""
+    from crossdistill.distributed import checkpoint as sharded
+
+    found = sharded.newest(run_dir)
+    if found is not None and found[2] == sharded.DCP_FORMAT:
+        return "dcp", (found[0], found[1])
+    if env.distributed:
+        if found is not None:
+            raise UserError(
+                f"{found[1]} was saved by a single process; resume it with one process, or "
+                "start a new run in another run.out_dir"
+            )
+        return None
+    latest = load_latest(run_dir)
+    return None if latest is None else ("single", latest)
+
+
 def _state(c: Components, cfg: Config, step: int) -> dict:
     return {
         "model": c.student.state_dict(),
@@ -128,20 +193,70 @@ def _state(c: Components, cfg: Config, step: int) -> dict:
 
 
 def _save(c: Components, cfg: Config, run_dir: Path, step: int) -> None:
-    save_checkpoint(run_dir, step, _state(c, cfg, step), keep_last=cfg.train.keep_last)
+    if not c.env.distributed:
+        save_checkpoint(run_dir, step, _state(c, cfg, step), keep_last=cfg.train.keep_last)
+        return
+    from crossdistill.distributed import checkpoint as sharded
+
+    p = c.placement
+    first_of_data_rank = p.student.rank("cp_tp") == 0
+    meta = {
+        "scheduler": c.scheduler.state_dict(),
+        "world_size": c.env.world_size,
+        "data_size": p.data_size,
+        "student_tp": p.student.layout.tp,
+    }
+    sharded.save_sharded(
+        run_dir,
+        step,
+        c.student,
+        c.optimizer,
+        meta,
+        (p.data_rank, c.train_loader.state_dict()) if first_of_data_rank else None,
+        capture_rng_state(),
+        cfg.train.keep_last,
+    )
 
 
-def _restore(c: Components, step: int, state: dict) -> int:
-    c.student.load_state_dict(state["model"])
-    c.optimizer.load_state_dict(state["optimizer"])
-    c.scheduler.load_state_dict(state["scheduler"])
-    c.train_loader.load_state_dict(state["loader"])
-    restore_rng_state(state["rng"])
-    return int(state["step"])
+def _restore(c: Components, latest) -> int:
+    kind, found = latest
+    if kind == "single":
+        step, state = found
+        c.student.load_state_dict(state["model"])
+        c.optimizer.load_state_dict(state["optimizer"])
+        c.scheduler.load_state_dict(state["scheduler"])
+        c.train_loader.load_state_dict(state["loader"])
+        restore_rng_state(state["rng"])
+        return int(step)
+    from crossdistill.distributed import checkpoint as sharded
+
+    step, folder = found
+    meta = sharded.load_sharded(folder, c.student, c.optimizer)
+    tp = c.placement.student.layout.tp if c.env.distributed else 1
+    if c.fused and meta.get("student_tp", 1) != tp:
+        raise UserError(
+            f"{folder} holds fused projections laid out for student tp={meta.get('student_tp')}; "
+            f"resume with student.parallel.tp={meta.get('student_tp')}"
+        )
+    c.scheduler.load_state_dict(meta["scheduler"])
+    data_rank = c.placement.data_rank if c.env.distributed else 0
+    data_size = c.placement.data_size if c.env.distributed else 1
+    loader, rng = sharded.load_rank_files(folder, data_rank, data_size, meta["data_size"])
+    if loader is not None:
+        c.train_loader.load_state_dict(loader)
+    if rng is not None:
+        restore_rng_state(rng)
+    return int(meta["step"])
 
 
 def export_hf(c: Components, out: Path) -> None:
-    """The student as a Hugging Face folder (`save_pretrained` + its tokenizer)."""
+    """The student as a Hugging Face folder (`save_pretrained` + its tokenizer); under
+    `torchrun` gathered once and written by rank 0."""
+    if c.env.distributed:
+        from crossdistill.distributed.checkpoint import export_hf_gathered
+
+        export_hf_gathered(c.student, c.tok_s, out, c.fused)
+        return
     out.mkdir(parents=True, exist_ok=True)
     c.student.save_pretrained(out, safe_serialization=True)
     c.tok_s.save_pretrained(out)

@@ -25,7 +25,12 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     ]
     on_cuda = any(p.is_cuda for p in decay + no_decay)
     return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True if on_cuda else None
+        groups,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        fused=True if on_cuda else None,
+        foreach=None if on_cuda else True,  # one kernel per op over all tensors, not per tensor
     )
 
 

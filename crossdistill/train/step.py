@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -122,21 +123,101 @@ def teacher_weights(
     return list(w.unbind(0))
 
 
+class Placement(Protocol):
+    """Where the step's pieces run and what is summed across ranks. `SingleProcess` is the plain
+    one; `crossdistill.distributed.runtime.Parallel` lays them out over a `torchrun` job."""
+
+    def teacher_targets(
+        self, slot: TeacherSlot, k: int, tb: Any, chunk_size: int
+    ) -> TeacherTargets:
+        """Teacher `k`'s targets for this rank's micro-batch `tb`."""
+        ...
+
+    def student_hidden(self, student: nn.Module, sb: Any) -> tuple[Tensor, Any]:
+        """`[N, H]` final hidden states of the rows this rank holds, and the row sharding to pass
+        to `student_loss` (None: all rows)."""
+        ...
+
+    def lm_head(self, student: nn.Module) -> tuple[Tensor, Any]:
+        """The lm_head weight this rank holds (`[V_s, H]` or a vocabulary shard) and the vocab
+        sharding to pass to `student_loss` (None: the whole vocabulary)."""
+        ...
+
+    def reduce_counts(self, x: Tensor) -> Tensor:
+        """Sum per-micro-batch counts over the data-parallel ranks."""
+        ...
+
+    def reduce_metrics(self, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Sum the student's partial loss sums over every rank that holds a part of the loss."""
+        ...
+
+    def reduce_sums(self, x: Tensor) -> Tensor:
+        """The same for a stacked vector of such sums."""
+        ...
+
+
+class SingleProcess:
+    """Everything on one device; `reduce` sums counts over data-parallel ranks if any."""
+
+    def __init__(self, device: torch.device, reduce: Callable[[Tensor], Tensor] = lambda t: t):
+        self.device = device
+        self.reduce = reduce
+
+    def teacher_targets(
+        self, slot: TeacherSlot, k: int, tb: Any, chunk_size: int
+    ) -> TeacherTargets:
+        return run_teacher(slot, tb, chunk_size, self.device)
+
+    def student_hidden(self, student: nn.Module, sb: Any) -> tuple[Tensor, None]:
+        hidden = final_hidden(
+            student, _to(sb.input_ids, self.device), _to(sb.position_ids, self.device)
+        )
+        return hidden.flatten(0, 1), None
+
+    def lm_head(self, student: nn.Module) -> tuple[Tensor, None]:
+        return student.get_output_embeddings().weight, None
+
+    def reduce_counts(self, x: Tensor) -> Tensor:
+        return self.reduce(x)
+
+    def reduce_metrics(self, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
+        return metrics
+
+    def reduce_sums(self, x: Tensor) -> Tensor:
+        return x
+
+
+def shard_kwargs(rows: Any, vocab: Any) -> dict[str, Any]:
+    """`student_loss` keyword arguments for a sharded student (none for a single process)."""
+    out = {}
+    if rows is not None:
+        out["rows"] = rows
+    if vocab is not None:
+        out["vocab"] = vocab
+    return out
+
+
 def train_step(
     student: nn.Module,
     slots: list[TeacherSlot],
     micro_batches: list,
     settings: StepSettings,
     reduce: Callable[[Tensor], Tensor] = lambda t: t,
+    placement: Placement | None = None,
 ) -> dict[str, Tensor]:
     """Forward and backward over one window; returns detached metrics (no host sync here).
-    Gradients are accumulated in `student`; the caller clips and steps."""
+    Gradients are accumulated in `student`; the caller clips and steps. `placement`: how the
+    pieces are laid out over ranks (default: one process, counts summed by `reduce`)."""
     dev = settings.device
+    place = placement if placement is not None else SingleProcess(dev, reduce)
     for s in slots:
         if s.teacher.offload:
             s.teacher.to(dev)
     targets = [
-        [run_teacher(s, mb.teachers[k], settings.loss_chunk_size, dev) for k, s in enumerate(slots)]
+        [
+            place.teacher_targets(s, k, mb.teachers[k], settings.loss_chunk_size)
+            for k, s in enumerate(slots)
+        ]
         for mb in micro_batches
     ]
     terms = [
@@ -160,7 +241,7 @@ def train_step(
         sum(target_bytes(slots[k], _to(mb.teachers[k].labels, dev)) for mb in micro_batches)
         for k in range(len(slots))
     ]
-    stats = reduce(
+    stats = place.reduce_counts(
         torch.cat([counts, torch.stack(teacher_nll + teacher_bytes).to(torch.float64)])
         if slots
         else counts
@@ -175,28 +256,31 @@ def train_step(
         if s.teacher.offload:
             s.teacher.to("cpu")
 
-    lm_head = student.get_output_embeddings().weight
     total: dict[str, Tensor] = {}
     for i, mb in enumerate(micro_batches):
         for k, term in enumerate(terms[i]):
             term.denominator = kd_dens[k]
             term.weight = weights[k]
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
-            hidden = final_hidden(
-                student, _to(mb.student.input_ids, dev), _to(mb.student.position_ids, dev)
+            hidden, rows = place.student_hidden(student, mb.student)
+        lm_head, vocab = place.lm_head(student)  # after the forward: FSDP has gathered it
+        # under autocast too: the lm_head matmuls run in bf16 (fp32 master weight cast once
+        # per chunk pass), with fp32 softmax and accumulation inside the loss
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+            loss, metrics = student_loss(
+                hidden,
+                lm_head,
+                labels[i],
+                terms[i],
+                kd_ratio=settings.kd_ratio if slots else 0.0,
+                ce_denominator=ce_den,
+                chunk_size=settings.loss_chunk_size,
+                **shard_kwargs(rows, vocab),
             )
-        loss, metrics = student_loss(
-            hidden.flatten(0, 1),
-            lm_head,
-            labels[i],
-            terms[i],
-            kd_ratio=settings.kd_ratio if slots else 0.0,
-            ce_denominator=ce_den,
-            chunk_size=settings.loss_chunk_size,
-        )
         loss.backward()
         for name, value in metrics.items():
             total[name] = total.get(name, 0) + value.detach()
+    total = place.reduce_metrics(total)
     for k, s in enumerate(slots):
         total[f"teacher_bpb/{s.cfg.name}"] = npb[k] / LN2
         total[f"weight/{s.cfg.name}"] = torch.as_tensor(weights[k], device=dev)

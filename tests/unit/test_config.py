@@ -33,7 +33,12 @@ def test_overrides_reach_nested_and_list_items(tmp_path):
     text = "teachers:\n  - {arch: tiny-qwen3, loss: jsd}\n"
     cfg = load_config(
         _write(tmp_path, text),
-        ["teachers.0.loss=tvd", "teachers.1.arch=tiny-phi3", "data.seq_len=128", "optim.betas=[0.8, 0.9]"],
+        [
+            "teachers.0.loss=tvd",
+            "teachers.1.arch=tiny-phi3",
+            "data.seq_len=128",
+            "optim.betas=[0.8, 0.9]",
+        ],
     )
     assert cfg.teachers[0].loss == "tvd" and cfg.teachers[0].arch == "tiny-qwen3"
     assert cfg.teachers[1].arch == "tiny-phi3" and cfg.teachers[1].loss == "forward_kl"
@@ -41,7 +46,9 @@ def test_overrides_reach_nested_and_list_items(tmp_path):
 
 
 def test_unknown_key_names_nearest(tmp_path):
-    with pytest.raises(UserError, match=r"unknown config key 'train.stpes'.*did you mean 'train.steps'"):
+    with pytest.raises(
+        UserError, match=r"unknown config key 'train.stpes'.*did you mean 'train.steps'"
+    ):
         load_config(_write(tmp_path, "train: {stpes: 3}\n"))
     with pytest.raises(UserError, match=r"teachers.0.temprature.*teachers.0.temperature"):
         load_config(None, ["teachers.0.temprature=2"])

@@ -1,0 +1,196 @@
+"""The parallel layout of one model over the ranks of a `torchrun` job, and process start-up.
+
+A `ParallelLayout` holds the degrees (data-parallel replicate and shard, context, tensor),
+checks them against the world size and the model, and builds ONE named `DeviceMesh` per layout:
+
+    axes (outer -> inner): dp_replicate, dp_shard, cp, tp
+    flattened:             dp       = dp_replicate x dp_shard   (who reads which data)
+                           fsdp     = dp_shard x cp             (who shards parameters)
+                           loss     = dp_replicate x dp_shard x cp   (who holds a part of the loss)
+                           cp_tp    = cp x tp                   (who runs one forward together)
+
+`tp` is innermost so that a tensor-parallel group is a set of neighbouring ranks (one node).
+The student and each teacher get their own layout over the same ranks; everything else asks the
+layout (or its mesh) for ranks, sizes and process groups.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from crossdistill.config import ParallelConfig
+from crossdistill.errors import UserError
+
+AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What `torchrun` told this process: its rank, the world size, and the device it drives."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # this call started the process group (and ends it)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Join the job `torchrun` started (env vars `RANK`, `WORLD_SIZE`, `LOCAL_RANK`): nccl on
+    CUDA, gloo on CPU; the process drives GPU `LOCAL_RANK`. A process group the caller started
+    is joined as it is. A plain `python` run is one process: no process group, and `device`
+    as given ("auto", "cpu", "cuda", "cuda:1")."""
+    joined = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))
+    wants_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if wants_cuda and not torch.cuda.is_available():
+        raise UserError(
+            f"train.device={device} but no CUDA device is visible; use train.device=cpu"
+        )
+    if world == 1:
+        return DistEnv(
+            device=torch.device(
+                "cuda" if device == "auto" and wants_cuda else device.replace("auto", "cpu")
+            )
+        )
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if wants_cuda:
+        torch.cuda.set_device(local)
+    dev = torch.device("cuda", local) if wants_cuda else torch.device("cpu")
+    if not joined:
+        torch.distributed.init_process_group(
+            backend="nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None
+        )
+    return DistEnv(torch.distributed.get_rank(), world, local, dev, owns_group=not joined)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Degrees of one model's layout; their product is the world size."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    label: str = "student"
+
+    @classmethod
+    def from_config(
+        cls, cfg: ParallelConfig, world_size: int, label: str = "student"
+    ) -> ParallelLayout:
+        """Resolve `dp_shard = -1` (the ranks the other degrees leave) and check the product."""
+        where = f"{label}.parallel"
+        for name in ("dp_replicate", "tp", "cp"):
+            if getattr(cfg, name) < 1:
+                raise UserError(f"{where}.{name} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.dp_shard < 1 and cfg.dp_shard != -1:
+            raise UserError(f"{where}.dp_shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
+        others = cfg.dp_replicate * cfg.cp * cfg.tp
+        shard = cfg.dp_shard
+        if shard == -1:
+            if world_size % others:
+                raise UserError(
+                    f"{where}: dp_replicate x cp x tp = {cfg.dp_replicate} x {cfg.cp} x {cfg.tp} "
+                    f"= {others} does not divide the world size {world_size}; the product of the "
+                    "degrees must equal the number of processes"
+                )
+            shard = world_size // others
+        layout = cls(cfg.dp_replicate, shard, cfg.cp, cfg.tp, label)
+        if layout.world_size != world_size:
+            raise UserError(
+                f"{where}: dp_replicate x dp_shard x cp x tp = {cfg.dp_replicate} x {shard} x "
+                f"{cfg.cp} x {cfg.tp} = {layout.world_size}, but the job has {world_size} "
+                "processes; the product of the degrees must equal the world size (dp_shard=-1 "
+                "takes what the others leave)"
+            )
+        return layout
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches the job reads at a time."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+
+    def check_model(self, hf_config: Any) -> None:
+        """Refuse a layout the model's shapes cannot take: attention and key/value heads must
+        split evenly over `tp` (each rank computes whole heads)."""
+        heads = getattr(hf_config, "num_attention_heads", None)
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        where = f"{self.label}.parallel.tp"
+        if self.tp > 1 and heads is not None and heads % self.tp:
+            raise UserError(
+                f"{where} = {self.tp} does not divide the model's {heads} attention heads; "
+                "choose a tp that divides the number of heads"
+            )
+        if self.tp > 1 and kv_heads is not None and kv_heads % self.tp:
+            raise UserError(
+                f"{where} = {self.tp} does not divide the model's {kv_heads} key/value heads; "
+                "choose a tp that divides the number of key/value heads"
+            )
+
+    def check_sequence(self, length: int, what: str) -> None:
+        """Context parallelism cuts a sequence into 2 x cp equal pieces (each rank takes one
+        from the head and one from the tail, which balances causal attention work)."""
+        if self.cp > 1 and length % (2 * self.cp):
+            raise UserError(
+                f"{self.label}.parallel.cp = {self.cp}: {what} = {length} is not divisible by "
+                f"2 x cp = {2 * self.cp}; context parallelism cuts every sequence into 2 x cp "
+                "equal pieces"
+            )
+
+    def build_mesh(self, device_type: str) -> NamedMesh | None:
+        """One named `DeviceMesh` with axes `AXES`, plus the flattened `dp`, `fsdp`, `loss` and
+        `cp_tp` axes; None for a single process."""
+        if self.world_size == 1:
+            return None
+        from torch.distributed.device_mesh import init_device_mesh
+
+        root = init_device_mesh(device_type, self.shape, mesh_dim_names=AXES)
+        # `_flatten` makes a combined axis with its own process group (torch keeps it private;
+        # torchtitan relies on it too); the flattened meshes are kept, not sliced again.
+        flat = {
+            "dp": root["dp_replicate", "dp_shard"]._flatten("dp"),
+            "fsdp": root["dp_shard", "cp"]._flatten("fsdp"),
+            "loss": root["dp_replicate", "dp_shard", "cp"]._flatten("loss"),
+            "cp_tp": root["cp", "tp"]._flatten("cp_tp"),
+        }
+        return NamedMesh(root, flat)
+
+    def describe(self) -> str:
+        return (
+            f"{self.label}: dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+            f"cp={self.cp} tp={self.tp}"
+        )
+
+
+class NamedMesh:
+    """A layout's root mesh and its flattened axes: `mesh[name]` for one axis, or a tuple of
+    names for a sub-mesh of the root (e.g. `("dp_replicate", "fsdp")` for HSDP)."""
+
+    def __init__(self, root: Any, flat: dict[str, Any]):
+        self.root = root
+        self.flat = flat
+
+    def __getitem__(self, key: str | tuple[str, ...]) -> Any:
+        if isinstance(key, str) and key in self.flat:
+            return self.flat[key]
+        return self.root[key]

@@ -1,0 +1,205 @@
+"""Apply a layout to a Hugging Face causal LM: `apply_tp`, `apply_cp`, `apply_fsdp`,
+`apply_activation_checkpointing`, `apply_compile`, and `parallelize_model`, which calls them in
+the one order that works (TP, CP, activation checkpointing, compile, FSDP).
+
+Works the same on a meta-device model (sharded loading fills it afterwards) and on a
+materialised one (its weights are split as they are)."""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import torch
+from torch import nn
+
+from crossdistill.distributed.layout import ParallelLayout
+from crossdistill.distributed.tp_plans import family_plan, fused_params
+from crossdistill.models.forward import decoder_of, final_hidden
+
+HIDDEN_METHOD = "forward_hidden"
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of a causal LM."""
+    return decoder_of(model).layers
+
+
+def apply_tp(model: nn.Module, tp_mesh: Any) -> None:
+    """Split every block by the family's plan (`tp_plans.py`), the embedding and the lm_head along
+    the vocabulary. The lm_head is never called as a module: the chunked loss reads its
+    vocabulary shard (`[V/tp, H]`) directly. Tied embeddings stay tied."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    tp = tp_mesh.size()
+    cfg = model.config
+    plan = family_plan(cfg)
+    for name, rows in fused_params(model, cfg, tp).items():
+        param = model.get_parameter(name)
+        if not param.is_meta:
+            with torch.no_grad():
+                param.copy_(param[rows.to(param.device)])
+    head = model.get_output_embeddings()
+    embed = model.get_input_embeddings()
+    tied = head.weight is embed.weight
+    parallelize_module(
+        embed,
+        tp_mesh,
+        RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+    )
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for layer in decoder_layers(model):
+        parallelize_module(layer, tp_mesh, {p: styles[k]() for p, k in plan.layer.items()})
+        if plan.local_head_counts:
+            _localize_heads(layer.self_attn, tp)
+    if tied:
+        head.weight = embed.weight
+    else:
+        parallelize_module(head, tp_mesh, ColwiseParallel())
+
+
+def _localize_heads(attn: nn.Module, tp: int) -> None:
+    """Attention modules that slice a fused qkv by config head counts must see this rank's."""
+    local = copy.copy(attn.config)
+    local.num_attention_heads = attn.config.num_attention_heads // tp
+    local.num_key_value_heads = attn.config.num_key_value_heads // tp
+    attn.config = local
+    if hasattr(attn, "num_key_value_heads"):
+        attn.num_key_value_heads //= tp
+
+
+def set_attention(model: nn.Module, implementation: str) -> None:
+    """Switch every (possibly per-module) config of the model to an attention implementation."""
+    seen: set[int] = set()
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
+            seen.add(id(cfg))
+            cfg._attn_implementation = implementation
+
+
+def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
+    """Context parallelism: every attention layer gathers keys and values of the whole sequence
+    from its context-parallel group and attends with the packed-document causal mask of its own
+    query rows (see `cp.py`). The inputs are cut by `cp.shard_batch` in the forward helper."""
+    from crossdistill.distributed.cp import CP_ATTENTION, CPState, register_cp_attention
+
+    register_cp_attention()
+    state = CPState(group=cp_mesh.get_group(), size=cp_mesh.size(), rank=cp_mesh.get_local_rank())
+    for layer in decoder_layers(model):
+        layer.self_attn.cp_state = state
+    model.cp_state = state
+    set_attention(model, CP_ATTENTION)
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    """Recompute each block's activations in backward (non-reentrant, per block)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def apply_compile(model: nn.Module) -> None:
+    """`torch.compile` each transformer block in place (names and state dict unchanged)."""
+    for layer in decoder_layers(model):
+        layer.compile()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: Any,
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> None:
+    """FSDP2 per transformer block, plus one root group (embeddings, final norm, lm_head).
+
+    The root's hidden-state forward is registered as an FSDP forward method, so calling
+    `model.forward_hidden(ids, pos)` gathers the root group and leaves it gathered for the
+    chunked loss, which reads the lm_head weight directly. Gradients are summed across ranks,
+    never averaged: every loss term is already divided by its global count."""
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
+
+    reduce = torch.float32 if param_dtype is not None else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce)
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    model.forward_hidden = types.MethodType(_forward_hidden, model)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp)
+    register_fsdp_forward_method(model, HIDDEN_METHOD)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # plain sums: gloo has no pre-multiplied sum, and a factor of 1 needs none
+            module.set_force_sum_reduction_for_comms(True)
+
+
+def _forward_hidden(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None):
+    return final_hidden(self, input_ids, position_ids)
+
+
+def model_hidden(
+    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+) -> torch.Tensor:
+    """`[B, T] -> [B, T, H]` final hidden states, through FSDP's registered method if any."""
+    method = getattr(model, HIDDEN_METHOD, None)
+    if method is not None:
+        return method(input_ids, position_ids)
+    return final_hidden(model, input_ids, position_ids)
+
+
+def fsdp_mesh(layout: ParallelLayout, mesh: Any, trainable: bool) -> Any:
+    """The mesh FSDP shards over, or None when no data-parallel sync is needed. Parameters are
+    sharded over dp_shard x cp (context-parallel ranks hold the same weights); a trainable model
+    also replicates over dp_replicate (HSDP). A frozen teacher needs no sync across replicas."""
+    shard = layout.dp_shard * layout.cp
+    if trainable and layout.dp_replicate > 1:
+        return mesh["dp_replicate", "fsdp"]
+    return mesh["fsdp"] if shard > 1 else None
+
+
+def parallelize_model(
+    model: nn.Module,
+    layout: ParallelLayout,
+    mesh: Any,
+    *,
+    trainable: bool,
+    activation_checkpointing: bool = False,
+    compile_blocks: bool = False,
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Apply `layout` in place: TP, CP, activation checkpointing, compile, then FSDP.
+    `reshard_after_forward=False` keeps each block gathered from its forward to its backward
+    (no second all-gather; memory of the full model per rank, as plain data parallelism).
+    `param_dtype`: FSDP gathers parameters in this dtype (bf16 halves the traffic; gradients
+    are still reduced in float32)."""
+    if mesh is None:
+        if activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if compile_blocks:
+            apply_compile(model)
+        return model
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"])
+    if layout.cp > 1:
+        apply_cp(model, mesh["cp"])
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if compile_blocks:
+        apply_compile(model)
+    dp_mesh = fsdp_mesh(layout, mesh, trainable)
+    if dp_mesh is not None:
+        apply_fsdp(
+            model, dp_mesh, reshard_after_forward=reshard_after_forward, param_dtype=param_dtype
+        )
+    return model

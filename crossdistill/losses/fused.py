@@ -1,0 +1,298 @@
+"""The chunked pass's vocabulary-wide work in two Triton kernels (CUDA; each has a plain
+PyTorch counterpart, its reference, which also runs this flow where Triton is missing).
+
+The PyTorch path (`chunked.chunk_step`) makes about ten passes over each `[c, V]` block. Here:
+
+1. `_stats`: one online-softmax pass per row computing the max, its argmax, `S_τ = Σ e^{(z−max)/τ}`
+   for every temperature in use, and each tail part's `S_tail` (the same sum over tokens outside
+   the part's buckets, read from a per-row bitmask: exact, no `S − Σ` cancellation).
+2. `_grad`: `G = Σ_τ e^{(z−max)/τ} · A_τ[row]` written once, in the matmul dtype, over the
+   logits themselves: one `[c, V]` buffer per chunk in all.
+
+The logits stay in the matmul dtype (bf16 under bf16 training, as a plain bf16 lm_head produces
+them); every exp and sum is float32.
+
+Everything in between (bucket log-probs, divergences, coefficients, the K corrections per row)
+is the same small-tensor code as the PyTorch path, which stays the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from crossdistill.losses.chunked import finish_tail, label_terms, part_step, select
+from crossdistill.losses.plan import Plan
+
+NEG_INF = float("-inf")
+BLOCK_STATS = 2048
+SPAN = 16384  # columns per program of the stats kernel (a row is split over several programs)
+BLOCK_GRAD = 4096
+
+
+@functools.cache
+def available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _kernels():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def stats(
+        z_ptr, stride_z, vocab, span, inv_tau_ptr, mask_ptr, stride_mp, stride_mr, mask_tau_ptr,
+        max_ptr, arg_ptr, s_ptr, tail_ptr,
+        T: tl.constexpr, TP: tl.constexpr, P: tl.constexpr, PP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        # program (row, part) reduces columns [part·span, (part+1)·span): partial results go to
+        # [row, part, ...] and are combined on the host side of the call (small tensors)
+        row = tl.program_id(0)
+        part = tl.program_id(1)
+        parts = tl.num_programs(1)
+        lo = part * span
+        hi = tl.minimum(lo + span, vocab)
+        t_idx = tl.arange(0, TP)
+        p_idx = tl.arange(0, PP)
+        inv_tau = tl.load(inv_tau_ptr + t_idx, mask=t_idx < T, other=1.0)
+        m = float("-inf")
+        arg = 0
+        s = tl.zeros([TP], dtype=tl.float32)
+        tail = tl.zeros([PP], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            inside = cols < hi
+            x = tl.load(z_ptr + row * stride_z + cols, mask=inside, other=float("-inf"))
+            x = x.to(tl.float32)
+            b_max = tl.max(x, 0)
+            b_arg = tl.argmax(x, 0) + start
+            arg = tl.where(b_max > m, b_arg, arg)
+            m_new = tl.maximum(m, b_max)
+            rescale = tl.exp((m - m_new) * inv_tau)  # [TP]; 0 on the first block
+            e = tl.exp((x[None, :] - m_new) * inv_tau[:, None])  # [TP, BLOCK]
+            s = s * rescale + tl.sum(e, 1)
+            for p in tl.static_range(P):
+                word = tl.load(
+                    mask_ptr + p * stride_mp + row * stride_mr + cols // 32, mask=inside, other=0
+                )
+                hit = ((word >> (cols % 32).to(tl.int64)) & 1) != 0
+                e_p = tl.sum(tl.where(t_idx[:, None] == tl.load(mask_tau_ptr + p), e, 0.0), 0)
+                add = tl.sum(tl.where(hit | (~inside), 0.0, e_p), 0)
+                scale_p = tl.sum(tl.where(t_idx == tl.load(mask_tau_ptr + p), rescale, 0.0), 0)
+                tail = tl.where(p_idx == p, tail * scale_p + add, tail)
+            m = m_new
+        out = row * parts + part
+        tl.store(max_ptr + out, m)
+        tl.store(arg_ptr + out, arg)
+        tl.store(s_ptr + out * T + t_idx, s, mask=t_idx < T)
+        tl.store(tail_ptr + out * P + p_idx, tail, mask=p_idx < P)
+
+    @triton.jit
+    def grad(
+        z_ptr, stride_z, g_ptr, stride_g, vocab, max_ptr, inv_tau_ptr, coef_ptr,
+        T: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < vocab
+        t_idx = tl.arange(0, TP)
+        inv_tau = tl.load(inv_tau_ptr + t_idx, mask=t_idx < T, other=1.0)
+        coef = tl.load(coef_ptr + row * T + t_idx, mask=t_idx < T, other=0.0)
+        m = tl.load(max_ptr + row)
+        x = tl.load(z_ptr + row * stride_z + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        e = tl.exp((x[None, :] - m) * inv_tau[:, None])  # [TP, BLOCK]
+        g = tl.sum(e * coef[:, None], 0)
+        tl.store(g_ptr + row * stride_g + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
+
+    return triton, stats, grad
+
+
+_SMALL: dict[tuple, Tensor] = {}
+
+
+def _small(values: list[float], dtype, device) -> Tensor:
+    """A short constant vector on the device, made once by fills (a host-to-device copy would
+    synchronize) and kept for later calls."""
+    key = (tuple(values), dtype, str(device))
+    if key not in _SMALL:
+        _SMALL[key] = torch.stack([torch.full((), v, dtype=dtype, device=device) for v in values])
+    return _SMALL[key]
+
+
+def _pow2(n: int) -> int:
+    return max(2, 1 << (n - 1).bit_length())
+
+
+def bucket_bits(ids: Tensor, valid: Tensor | None, vocab: int) -> Tensor:
+    """`[c, ⌈V/32⌉]` int64 words with bit `id % 32` of word `id // 32` set for each valid bucket
+    id of the row (32 bits per word, so sums of distinct bits never overflow)."""
+    words = torch.zeros(ids.shape[0], (vocab + 31) // 32, dtype=torch.int64, device=ids.device)
+    bits = torch.bitwise_left_shift(torch.ones_like(ids), ids % 32)
+    if valid is not None:
+        bits = torch.where(valid, bits, 0)
+    return words.scatter_add_(1, ids // 32, bits)
+
+
+def row_stats(
+    z: Tensor, taus: list[float], masks: list[Tensor], mask_tau: list[int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(max `[c]`, argmax `[c]`, S `[c, T]` per temperature, S_tail `[c, P]` per mask)."""
+    if not (z.is_cuda and available()):
+        return row_stats_torch(z, taus, masks, mask_tau)
+    triton, stats, _ = _kernels()
+    c, vocab = z.shape
+    dev = z.device
+    inv_tau = _small([1.0 / t for t in taus], torch.float32, dev)
+    if len(masks) == 1:
+        mask = masks[0].unsqueeze(0)  # a view: no copy
+    elif masks:
+        mask = torch.stack(masks)
+    else:
+        mask = torch.zeros(1, c, 1, dtype=torch.int64, device=dev)
+    mtau = _small(mask_tau or [0], torch.int32, dev)
+    parts = triton.cdiv(vocab, SPAN)
+    span = triton.cdiv(triton.cdiv(vocab, parts), BLOCK_STATS) * BLOCK_STATS
+    num_p = max(len(masks), 1)
+    pmax = torch.empty(c, parts, dtype=torch.float32, device=dev)
+    parg = torch.empty(c, parts, dtype=torch.int32, device=dev)
+    ps = torch.empty(c, parts, len(taus), dtype=torch.float32, device=dev)
+    ptail = torch.empty(c, parts, num_p, dtype=torch.float32, device=dev)
+    stats[(c, parts)](
+        z, z.stride(0), vocab, span, inv_tau, mask, mask.stride(0), mask.stride(1), mtau,
+        pmax, parg, ps, ptail,
+        T=len(taus), TP=_pow2(len(taus)), P=len(masks), PP=_pow2(num_p),
+        BLOCK=BLOCK_STATS, num_warps=8,
+    )  # fmt: skip
+    # combine the parts: rescale each part's sums from its own max to the row max
+    zmax, best = pmax.max(1)
+    scale = ((pmax - zmax.unsqueeze(1)).unsqueeze(2) * inv_tau).exp()  # [c, parts, T]
+    s = (ps * scale).sum(1)
+    # (basic indexing per mask: a list index would copy it to the device, a synchronization)
+    tails = [(ptail[:, :, p] * scale[:, :, t]).sum(1) for p, t in enumerate(mask_tau)]
+    tail = torch.stack(tails, 1) if tails else torch.zeros_like(s[:, :1])
+    return zmax, parg.gather(1, best.unsqueeze(1)).squeeze(1).long(), s, tail
+
+
+def logit_grad(z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, dtype) -> Tensor:
+    """`G [c, V] = Σ_τ e^{(z−max)/τ} · coef[:, τ]` in `dtype`, written over `z` when that is
+    its dtype (each element is read, then written, by the same program)."""
+    if not (z.is_cuda and available()):
+        return logit_grad_torch(z, zmax, taus, coef, dtype)
+    triton, _, grad = _kernels()
+    c, vocab = z.shape
+    out = z if z.dtype == dtype else torch.empty(c, vocab, dtype=dtype, device=z.device)
+    inv_tau = _small([1.0 / t for t in taus], torch.float32, z.device)
+    grid = (c, triton.cdiv(vocab, BLOCK_GRAD))
+    grad[grid](
+        z, z.stride(0), out, out.stride(0), vocab, zmax, inv_tau, coef.float().contiguous(),
+        T=len(taus), TP=_pow2(len(taus)), BLOCK=BLOCK_GRAD, num_warps=8,
+    )  # fmt: skip
+    return out
+
+
+def _in_buckets(words: Tensor, vocab: int) -> Tensor:
+    cols = torch.arange(vocab, device=words.device)
+    return ((words[:, cols // 32] >> (cols % 32)) & 1).bool()
+
+
+def row_stats_torch(
+    z: Tensor, taus: list[float], masks: list[Tensor], mask_tau: list[int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`row_stats` in plain PyTorch (the kernel's reference, and its stand-in without Triton)."""
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    z = z.to(acc)
+    zmax, arg = z.max(1)
+    e = [((z - zmax.unsqueeze(1)) / tau).exp() for tau in taus]
+    s = torch.stack([x.sum(1) for x in e], 1)
+    tails = [
+        e[t].masked_fill(_in_buckets(w, z.shape[1]), 0.0).sum(1) for w, t in zip(masks, mask_tau)
+    ]
+    tail = torch.stack(tails, 1) if tails else torch.zeros_like(s[:, :1])
+    return zmax, arg, s, tail
+
+
+def logit_grad_torch(z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, dtype) -> Tensor:
+    """`logit_grad` in plain PyTorch."""
+    shifted = z.to(coef.dtype) - zmax.unsqueeze(1)
+    out = sum(((shifted / tau).exp() * coef[:, t : t + 1] for t, tau in enumerate(taus)), 0.0)
+    return z.copy_(out) if z.dtype == dtype else out.to(dtype)
+
+
+def chunk_step_fused(
+    z: Tensor, sl: slice, plan: Plan, label_coef: Tensor, want_grad: bool, grad_dtype
+) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+    """`chunked.chunk_step` with the vocabulary-wide passes in two kernels. `z [c, V]` is in the
+    matmul dtype (bf16 logits, as a plain bf16 lm_head gives them; all softmax math is float32)
+    and is consumed: the gradient is written over it when `grad_dtype` is its dtype."""
+    vocab = z.shape[1]
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    labels0 = plan.labels[sl].clamp(min=0).unsqueeze(1)
+    z_label = z.gather(1, labels0).squeeze(1).to(acc)
+    picked = [[select(z, p, sl) for p in t.parts] for t in plan.terms]
+    picked = [[(v.to(acc), ids) for v, ids in row] for row in picked]
+    taus = [1.0] + [t for t in plan.temperatures if t != 1.0]
+    masks, mask_tau, tails = [], [], {}
+    for ti, term in enumerate(plan.terms):
+        for pi, (part, (_, ids)) in enumerate(zip(term.parts, picked[ti])):
+            if part.logq_tail is not None:
+                valid = None if part.valid is None else part.valid[sl]
+                tails[ti, pi] = len(masks)
+                masks.append(bucket_bits(ids, valid, vocab))
+                mask_tau.append(taus.index(term.temperature))
+    zmax, argmax, s_all, tail_all = row_stats(z, taus, masks, mask_tau)
+    coef = torch.zeros_like(s_all)
+    term_sums = torch.zeros(len(plan.terms), dtype=acc, device=z.device)
+    loss = torch.zeros((), dtype=acc, device=z.device)
+    fixes: list[tuple[Tensor, Tensor]] = []
+    for ti, term in enumerate(plan.terms):
+        if not term.parts:  # chunk likelihood: folded into the label coefficient
+            continue
+        tau, t = term.temperature, taus.index(term.temperature)
+        s, weight = s_all[:, t], term.row_weight[sl]
+        lse_u = zmax / tau + s.log()
+        for pi, (part, (z_sel, ids)) in enumerate(zip(term.parts, picked[ti])):
+            e_ids = ((z_sel - zmax.unsqueeze(1)) / tau).exp()
+            s_tail = None
+            if (ti, pi) in tails:
+                s_tail = finish_tail(part, sl, ids, tail_all[:, tails[ti, pi]], vocab)
+            rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
+            term_sums[ti] += (rows * term.report_weight[sl]).sum()
+            loss = loss + (rows * weight).sum()
+            coef[:, t] += a
+            fixes.append((ids, corr))
+    s1 = s_all[:, 0]
+    loss, logp_label = label_terms(plan, sl, z_label - zmax - s1.log(), loss)
+    coef[:, 0] += label_coef / s1
+    fixes.append((labels0, -label_coef.unsqueeze(1)))
+    if not want_grad:
+        return None, loss, term_sums, logp_label, argmax
+    ids, exact = exact_at_ids(z, zmax, taus, coef, fixes)  # reads z: before it is overwritten
+    out = logit_grad(z, zmax, taus, coef, grad_dtype)
+    out.scatter_(1, ids, exact.to(out.dtype))  # equal values for equal ids
+    return out, loss, term_sums, logp_label, argmax
+
+
+def exact_at_ids(
+    z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, fixes
+) -> tuple[Tensor, Tensor]:
+    """The corrected gradient at every bucket and label id, `[c, F]` ids and float32 values:
+    base `Σ_τ e·coef` plus all corrections at that id, to be written with a single rounding
+    (adding a correction such as CE's `−1` into an already rounded bf16 value would lose the
+    small difference that remains)."""
+    ids = torch.cat([i for i, _ in fixes], 1)  # [c, F]
+    corr = torch.cat([v for _, v in fixes], 1).to(coef.dtype)
+    ids, order = ids.sort(1)
+    corr = corr.gather(1, order)
+    prev = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=-1)
+    slot = torch.cumsum((ids != prev).long(), 1) - 1  # one slot per distinct id of the row
+    total = torch.zeros_like(corr).scatter_add_(1, slot, corr).gather(1, slot)
+    shifted = z.gather(1, ids).to(coef.dtype) - zmax.unsqueeze(1)
+    base = sum(((shifted / tau).exp() * coef[:, t : t + 1] for t, tau in enumerate(taus)), 0.0)
+    return ids, base + total

@@ -1,0 +1,181 @@
+"""The student objective: `(1 − kd_ratio)·ce + kd_ratio·Σ_k w_k·kd_k`, each term a sum over
+valid positions divided by a global count that the caller passes in (all micro-batches and
+ranks), so loss and gradient do not depend on how the global batch is split."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from crossdistill.errors import UserError
+from crossdistill.losses import divergences as div
+from crossdistill.losses.chunked import (
+    ChunkedStudentLoss,
+    LazyPlan,
+    accumulate_dtype,
+    compute_dtype,
+    logits,
+)
+from crossdistill.losses.fused import available as fused_available
+from crossdistill.losses.plan import (
+    KDTerm,
+    Plan,
+    build_plan,
+    ce_count,
+    chunk_logl_s,
+    student_rows_of_chunks,
+)
+from crossdistill.losses.reference import reference_loss
+from crossdistill.losses.sharding import RowShard, VocabShard
+
+# Losses whose gradient has a sign(q − p) factor: where the two probabilities are close, the
+# rounding of bf16 logits flips it, so the fused pass keeps float32 logits for them.
+SIGN_LOSSES = ("tvd", "uld", "gold")
+
+
+@torch.no_grad()
+def label_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
+    """`[N]` log-prob of each row's label (0 where unlabeled), chunked, without gradient."""
+    dtype = compute_dtype(hidden, weight)
+    acc = accumulate_dtype(dtype)
+    out = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_c, w_c = hidden.to(dtype), weight.to(dtype)
+        for r0 in range(0, hidden.shape[0], chunk_size):
+            sl = slice(r0, min(r0 + chunk_size, hidden.shape[0]))
+            z = logits(h_c[sl], w_c, acc)
+            lab = labels[sl]
+            picked = z.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1)
+            out[sl] = torch.where(lab >= 0, picked - torch.logsumexp(z, 1), 0.0)
+    return out
+
+
+def _chunk_likelihood_coefs(plan: Plan, logp_label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunk-likelihood terms from a first pass over the label log-probs: the loss, per-term
+    reported sums `[T]`, and the per-row coefficient that folds their gradient into the chunked
+    pass (each row of a chunk gets `−∂D/∂l_s` of its chunk, in the CE direction)."""
+    n = logp_label.shape[0]
+    coef = torch.zeros_like(logp_label)
+    loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
+    sums = torch.zeros(len(plan.terms), dtype=logp_label.dtype, device=logp_label.device)
+    for i, term in enumerate(plan.terms):
+        if term.loss != "chunk_likelihood":
+            continue
+        logl_s = chunk_logl_s(logp_label, term.chunks).requires_grad_(True)
+        with torch.enable_grad():
+            value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)
+            (grad,) = torch.autograd.grad(value, logl_s)
+        owner = student_rows_of_chunks(term.chunks, term.valid_chunks, n)
+        coef -= torch.where(owner >= 0, grad[owner.clamp(min=0)], 0.0).to(coef.dtype)
+        loss += value.detach().to(loss.dtype)
+        sums[i] = div.chunk_likelihood(
+            term.logl_t, logl_s.detach(), term.chunk_report, term.temperature
+        )
+    return loss, sums, coef
+
+
+def student_loss(
+    hidden_s: Tensor,
+    lm_head_s: Tensor,
+    labels_s: Tensor,
+    kd_terms: Sequence[KDTerm] = (),
+    kd_ratio: float = 0.5,
+    ce_denominator: Tensor | float | None = None,
+    chunk_size: int = 1024,
+    backend: str = "chunked",
+    fused: bool | None = None,
+    vocab: VocabShard | None = None,
+    rows: RowShard | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The student's loss on a flattened micro-batch, and detached metrics.
+
+    `hidden_s [N, H]` final hidden states, `lm_head_s [V_s, H]`, `labels_s [N]` next-token ids
+    (−100 = ignore). `ce_denominator`: the global count of labeled rows (`ce_count`, summed over
+    the global batch); None uses this micro-batch's own count. `backend="chunked"` never holds
+    more than `chunk_size` rows of logits; `"reference"` is the plain full-logits version.
+    A `chunk_likelihood` term costs the chunked pass one extra forward matmul (a first pass
+    for the chunk log-likelihoods, which the gradient of every row of the chunk depends on).
+    `fused`: do the vocabulary-wide passes in two kernels (`losses.fused`: Triton on CUDA,
+    their PyTorch reference elsewhere); None = on CUDA when Triton is installed. The fused
+    pass keeps the logits in the matmul dtype (bf16 under bf16, as a plain lm_head gives them;
+    all softmax math is float32), except with a tvd/uld/gold term (`SIGN_LOSSES`).
+
+    Metrics (all detached, no host sync): `loss`, `ce` (Σ CE / ce_denominator), `num_ce`; per
+    teacher `kd/<name>` (τ²·Σ D / denominator), `top1/<name>` (Σ student argmax == projected
+    teacher argmax, / denominator), `num_kd/<name>` (local valid count) and, over its complete
+    chunks (every token predicted on both sides), `nll_s/<name>` and `nll_t/<name>` — the
+    student's and the teacher's summed NLL of the same bytes — and `num_chunks/<name>`. Terms
+    divided by global counts add up over micro-batches; the `nll_*` sums are raw sums.
+
+    A student split over ranks (`sharded.py`): `vocab`, `lm_head_s` is this rank's vocabulary
+    shard; `rows`, `hidden_s` holds this rank's rows while `labels_s` and `kd_terms` cover the
+    whole flattened batch. The loss, gradients and metrics are then this rank's parts, which sum
+    over ranks to the single-device values.
+    """
+    if backend not in ("chunked", "reference"):
+        raise UserError(f"unknown loss backend {backend!r}; use 'chunked' or 'reference'")
+    if chunk_size < 1:
+        raise UserError(f"loss chunk size must be >= 1, got {chunk_size}")
+    hidden = hidden_s.reshape(-1, hidden_s.shape[-1])
+    labels = labels_s.reshape(-1)
+    if ce_denominator is None:
+        ce_denominator = ce_count(labels)
+    acc = accumulate_dtype(compute_dtype(hidden, lm_head_s))
+    terms = list(kd_terms)
+    if vocab is not None or rows is not None:
+        if backend != "chunked":
+            raise UserError("a student split over ranks needs the chunked loss backend")
+        from crossdistill.losses.sharded import sharded_student_loss
+
+        return sharded_student_loss(
+            hidden, lm_head_s, labels, terms, kd_ratio, ce_denominator, chunk_size, vocab, rows
+        )
+
+    def build() -> Plan:
+        return build_plan(labels, terms, kd_ratio, ce_denominator, acc)
+
+    if backend == "reference":
+        plan = build()
+        loss, term_sums, logp_label, argmax, _ = reference_loss(hidden, lm_head_s, plan)
+        return loss, _metrics(plan, loss, term_sums, logp_label, argmax)
+    if fused is None:
+        fused = hidden.is_cuda and fused_available()
+    if fused and not any(t.loss in SIGN_LOSSES for t in terms):
+        fused = "low"  # logits may stay in the matmul dtype (see SIGN_LOSSES)
+    extra = torch.zeros((), dtype=acc, device=hidden.device)
+    source, coef, cl_sums = LazyPlan(build), None, None
+    if any(t.loss == "chunk_likelihood" for t in terms):
+        plan = source.get()
+        first = label_logprobs(hidden, lm_head_s, labels, chunk_size)
+        extra, cl_sums, cl_coef = _chunk_likelihood_coefs(plan, first)
+        coef = plan.ce_weight + cl_coef
+    loss, term_sums, logp_label, argmax = ChunkedStudentLoss.apply(
+        hidden, lm_head_s, source, chunk_size, coef, extra, torch.is_grad_enabled(), fused, None
+    )
+    plan = source.get()
+    if cl_sums is not None:
+        term_sums = term_sums + cl_sums
+    return loss, _metrics(plan, loss, term_sums, logp_label, argmax)
+
+
+def _metrics(
+    plan: Plan, loss: Tensor, term_sums: Tensor, logp_label: Tensor, argmax: Tensor
+) -> dict[str, Tensor]:
+    out = {
+        "loss": loss.detach(),
+        "ce": (-logp_label * plan.ce_report).sum(),
+        "num_ce": plan.num_ce,
+    }
+    for i, term in enumerate(plan.terms):
+        name = term.name
+        out[f"kd/{name}"] = term_sums[i] * term.temperature**2
+        hit = (argmax == term.top1_s) & (term.top1_s >= 0)
+        out[f"top1/{name}"] = torch.where(hit, term.report_weight, 0.0).sum()
+        out[f"num_kd/{name}"] = term.count
+        done = term.complete_chunks
+        out[f"nll_s/{name}"] = -torch.where(done, chunk_logl_s(logp_label, term.chunks), 0.0).sum()
+        out[f"nll_t/{name}"] = -torch.where(done, term.logl_t, 0.0).sum()
+        out[f"num_chunks/{name}"] = done.sum()
+    return out

@@ -1,0 +1,330 @@
+"""What one student pass needs, laid out per student row.
+
+`KDTerm` is one teacher's contribution as the trainer describes it (targets, projection, chunk
+alignment, loss). `build_plan` turns the terms into dense `[N, ...]` arrays indexed by student
+row — targets scattered from KD positions to the rows that predict them, with a weight of 0 on
+rows without KD — so that a sequence chunk is a plain slice `[r0:r1]` and nothing needs the
+number of valid positions on the host. Both the chunked pass and the reference path consume it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from crossdistill.errors import UserError
+from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
+from crossdistill.losses.targets import TeacherTargets
+
+NEG_INF = float("-inf")
+DISTRIBUTION_LOSSES = ("forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd")
+LOSSES = DISTRIBUTION_LOSSES + ("gold", "uld", "chunk_likelihood")
+
+
+@dataclass
+class KDTerm:
+    """One teacher's distillation term for a flattened batch.
+
+    `chunks [C, 4]` rows `(s0, s1, t0, t1)` in flattened row coordinates (sequence b offset by
+    its start row on each side), in order; row c of `targets` holds the teacher's top-k at the
+    KD position of chunk c (`teacher_targets(..., kd_index_t=kd_positions(chunks)[1])`).
+    After offsetting, a chunk that starts sequence b > 0 no longer has `s0 == 0`: build both
+    with `flatten_chunks`, which masks those chunks out in `chunk_mask`.
+    `denominator` is this term's *global* valid count (`kd_count`, summed over micro-batches and
+    ranks); the term is `τ²·Σ D / denominator`. `params`: `beta` (jsd), `alpha` (skew_kl),
+    `uld_weight` (gold). `chunk_mask [C]`: False keeps a chunk out of KD (template tokens)."""
+
+    targets: TeacherTargets
+    projection: VocabProjection
+    chunks: Tensor
+    denominator: Tensor
+    loss: str = "forward_kl"
+    weight: float | Tensor = 1.0
+    params: dict[str, float] = field(default_factory=dict)
+    chunk_mask: Tensor | None = None
+    name: str = "teacher"
+
+    @property
+    def temperature(self) -> float:
+        return self.targets.temperature
+
+    def check(self) -> None:
+        if self.loss not in LOSSES:
+            choices = ", ".join(LOSSES)
+            raise UserError(f"unknown loss {self.loss!r} for teacher {self.name!r}; use {choices}")
+        beta, alpha = self.params.get("beta", 0.5), self.params.get("alpha", 0.1)
+        if self.loss == "jsd" and not 0.0 < beta < 1.0:
+            raise UserError(f"jsd needs 0 < beta < 1 (teacher {self.name!r}), got {beta}")
+        if self.loss == "skew_kl" and not 0.0 <= alpha < 1.0:
+            raise UserError(f"skew_kl needs 0 <= alpha < 1 (teacher {self.name!r}), got {alpha}")
+
+
+def flatten_chunks(
+    chunks: list[Tensor], rows_s: list[int] | int, rows_t: list[int] | int
+) -> tuple[Tensor, Tensor]:
+    """Per-sequence chunk alignments `[C_b, 4]` (sequence-local rows) → flattened `[C, 4]` for
+    a batch whose sequences occupy `rows_s` / `rows_t` rows each (an int: all the same), and
+    `chunk_mask [C]` that is False where a chunk starts its sequence on either side (its first
+    token has no prediction to distil: the row before it belongs to another sequence)."""
+    count = len(chunks)
+    rows_s = [rows_s] * count if isinstance(rows_s, int) else list(rows_s)
+    rows_t = [rows_t] * count if isinstance(rows_t, int) else list(rows_t)
+    out, mask, off_s, off_t = [], [], 0, 0
+    for c, n_s, n_t in zip(chunks, rows_s, rows_t):
+        c = c.long().clone()
+        mask.append((c[:, 0] > 0) & (c[:, 2] > 0))
+        c[:, :2] += off_s
+        c[:, 2:] += off_t
+        out.append(c)
+        off_s, off_t = off_s + n_s, off_t + n_t
+    if not out:
+        return torch.zeros(0, 4, dtype=torch.long), torch.zeros(0, dtype=torch.bool)
+    return torch.cat(out), torch.cat(mask)
+
+
+def _span_sums(values: Tensor, start: Tensor, end: Tensor) -> Tensor:
+    """Σ values[start:end] per span, through a float64 prefix sum (so long sequences lose no
+    precision); spans are clamped into range, empty spans give 0."""
+    prefix = torch.nn.functional.pad(torch.cumsum(values.double(), 0), (1, 0))
+    n = values.shape[0]
+    start, end = start.clamp(0, n), end.clamp(0, n)
+    return prefix[torch.maximum(start, end)] - prefix[start]
+
+
+def _complete(chunks: Tensor, labels_s: Tensor, next_valid_t: Tensor) -> Tensor:
+    """`[C]` chunks whose every token is predicted on both sides: labels valid on student rows
+    `[s0 − 1, s1 − 1)`, next tokens valid on teacher rows `[t0 − 1, t1 − 1)`."""
+    s0, s1, t0, t1 = chunks.unbind(-1)
+    bad_s = _span_sums((labels_s < 0).double(), s0 - 1, s1 - 1)
+    bad_t = _span_sums((~next_valid_t).double(), t0 - 1, t1 - 1)
+    return (s0 > 0) & (t0 > 0) & (s1 > s0) & (t1 > t0) & (bad_s == 0) & (bad_t == 0)
+
+
+def kd_valid(term: KDTerm, labels_s: Tensor) -> Tensor:
+    """`[C]` bool: the chunks that contribute to this term (and to its count)."""
+    chunks = term.chunks.to(labels_s.device)
+    s0, s1, t0, t1 = chunks.unbind(-1)
+    if term.loss == "chunk_likelihood":
+        ok = _complete(chunks, labels_s, term.targets.next_valid.to(labels_s.device))
+    else:
+        ok = (s0 > 0) & (t0 > 0) & (s1 > s0) & (t1 > t0)
+    return ok & _mask(term, labels_s.device)
+
+
+def _mask(term: KDTerm, device: torch.device | None = None) -> Tensor | bool:
+    return True if term.chunk_mask is None else term.chunk_mask.to(device or term.chunks.device)
+
+
+def kd_count(term: KDTerm, labels_s: Tensor) -> Tensor:
+    """This micro-batch's contribution to `term.denominator` (sum it over the global batch)."""
+    return kd_valid(term, labels_s).sum()
+
+
+def ce_count(labels_s: Tensor) -> Tensor:
+    """This micro-batch's contribution to the CE denominator."""
+    return (labels_s >= 0).sum()
+
+
+def safe_inverse(count: Tensor | float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """1 / count, and 0 for a zero count (an all-masked global batch gives loss 0, not NaN).
+    A Python number stays one: no host-to-device copy."""
+    if not isinstance(count, Tensor):
+        return torch.full((), 1.0 / count if count > 0 else 0.0, dtype=dtype, device=device)
+    count = count.to(device, dtype)
+    return torch.where(count > 0, 1.0 / torch.where(count > 0, count, 1.0), 0.0)
+
+
+@dataclass
+class Part:
+    """One bucket divergence on the student's softmax at the term's temperature, per row.
+
+    Buckets are `ids [N, B]` (or, with `ids=None`, the student's own top-B tokens, skipping
+    `exclude [V_s]`) with teacher log-probs `logq [N, B]` and, when `logq_tail` is set, one tail
+    bucket for all other tokens."""
+
+    divergence: str
+    logq: Tensor
+    ids: Tensor | None = None
+    valid: Tensor | None = None
+    logq_tail: Tensor | None = None
+    exclude: Tensor | None = None
+    scale: float = 1.0
+    params: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TermPlan:
+    """A `KDTerm` laid out per student row."""
+
+    name: str
+    loss: str
+    temperature: float
+    row_weight: Tensor  # [N] w·kd_ratio·τ²/denominator on valid KD rows, 0 elsewhere
+    report_weight: Tensor  # [N] 1/denominator on valid KD rows (reported values)
+    chunk_weight: Tensor  # [C] the same weights per chunk (chunk_likelihood)
+    chunk_report: Tensor  # [C]
+    top1_s: Tensor  # [N] student id of the teacher's most likely token, −1 if none
+    parts: list[Part]
+    chunks: Tensor  # [C, 4]
+    valid_chunks: Tensor  # [C] bool
+    complete_chunks: Tensor  # [C] bool: for the aligned NLL metrics
+    logl_t: Tensor  # [C] float64 teacher log-likelihood of each chunk (τ = 1)
+    count: Tensor  # local valid count
+
+
+@dataclass
+class Plan:
+    labels: Tensor  # [N] int64, −100 = ignore
+    ce_weight: Tensor  # [N] (1 − kd_ratio)/ce_denominator on labeled rows
+    ce_report: Tensor  # [N] 1/ce_denominator on labeled rows
+    terms: list[TermPlan]
+    kd_ratio: float
+    num_ce: Tensor
+
+    @property
+    def temperatures(self) -> list[float]:
+        return sorted({t.temperature for t in self.terms if t.parts})
+
+
+def _to_rows(values: Tensor, rows: Tensor, valid: Tensor, num_rows: int, fill) -> Tensor:
+    """Scatter `values [C, ...]` to student rows `rows [C]`; rows without a value get `fill`.
+    Invalid entries go to distinct spare rows past the end, so no two writes collide."""
+    c = rows.shape[0]
+    spare = num_rows + torch.arange(c, device=rows.device)
+    out = torch.full(
+        (num_rows + c,) + values.shape[1:], fill, dtype=values.dtype, device=values.device
+    )
+    out[torch.where(valid, rows, spare)] = values
+    return out[:num_rows]
+
+
+def _bucket_rows(b: Buckets, rows: Tensor, valid: Tensor, n: int) -> tuple[Tensor, ...]:
+    """Buckets per student row; rows without KD put all teacher mass in the tail (a benign
+    distribution: the student's tail is then everything, and every divergence is 0)."""
+    return (
+        _to_rows(b.ids, rows, valid, n, 0),
+        _to_rows(b.logq, rows, valid, n, NEG_INF),
+        _to_rows(b.valid, rows, valid, n, False),
+        _to_rows(b.logq_tail, rows, valid, n, 0.0),
+    )
+
+
+def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int) -> list[Part]:
+    tg, proj = term.targets, term.projection
+    if term.loss == "chunk_likelihood":
+        return []
+    if term.loss == "uld":
+        logq = _to_rows(tg.topk_logprobs, rows, valid, n, NEG_INF)
+        tail = _to_rows(tg.tail_logprob, rows, valid, n, 0.0)
+        return [Part("l1", logq, logq_tail=tail)]
+    if term.loss == "gold":
+        exact = proj.exact_only()
+        ids, logq, ok, tail = _bucket_rows(
+            project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, exact), rows, valid, n
+        )
+        common = Part("forward_kl", logq, ids=ids, valid=ok, logq_tail=tail)
+        exact_t = exact.exact[tg.topk_ids.long()]
+        rest_t = torch.where(exact_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
+        rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=proj.common_student())
+        rest.scale = float(term.params.get("uld_weight", 1.0))
+        return [common, rest]
+    b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj)
+    ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
+    params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
+    return [Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)]
+
+
+def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
+    """The term with everything on the student's device and teacher log-probs in `dtype`
+    (targets may come from another device or a CPU cache; `.to` is free where they are)."""
+    tg = term.targets.to(device)
+    tg = dataclasses.replace(
+        tg, topk_logprobs=tg.topk_logprobs.to(dtype), tail_logprob=tg.tail_logprob.to(dtype)
+    )
+    mask = None if term.chunk_mask is None else term.chunk_mask.to(device)
+    return dataclasses.replace(
+        term,
+        targets=tg,
+        projection=term.projection.to(device),
+        chunks=term.chunks.to(device).long(),
+        chunk_mask=mask,
+    )
+
+
+def _term_plan(term: KDTerm, labels_s: Tensor, kd_ratio: float, dtype: torch.dtype) -> TermPlan:
+    term.check()
+    n, device = labels_s.shape[0], labels_s.device
+    term = _local(term, device, dtype)
+    chunks, tg = term.chunks, term.targets
+    valid = kd_valid(term, labels_s)
+    rows = chunks[:, 0] - 1
+    inv = safe_inverse(term.denominator, dtype, device)
+    weight = term.weight.to(device, dtype) if isinstance(term.weight, Tensor) else term.weight
+    report = valid.to(dtype) * inv
+    scaled = report * (weight * kd_ratio * term.temperature**2)
+    first = term.projection.first_piece[tg.topk_ids[:, 0].long()]
+    _, _, t0, t1 = chunks.unbind(-1)
+    return TermPlan(
+        name=term.name,
+        loss=term.loss,
+        temperature=term.temperature,
+        row_weight=_to_rows(scaled, rows, valid, n, 0.0),
+        report_weight=_to_rows(report, rows, valid, n, 0.0),
+        chunk_weight=scaled,
+        chunk_report=report,
+        top1_s=_to_rows(first, rows, valid, n, -1),
+        parts=_parts(term, rows, valid, n),
+        chunks=chunks,
+        valid_chunks=valid,
+        complete_chunks=_complete(chunks, labels_s, tg.next_valid) & _mask(term),
+        logl_t=_span_sums(tg.next_logprobs, t0 - 1, t1 - 1),
+        count=valid.sum(),
+    )
+
+
+def build_plan(
+    labels_s: Tensor,
+    kd_terms: list[KDTerm],
+    kd_ratio: float,
+    ce_denominator: Tensor | float,
+    dtype: torch.dtype,
+) -> Plan:
+    """Lay out CE and every KD term per student row; `dtype` is the accumulation dtype."""
+    if not 0.0 <= kd_ratio <= 1.0:
+        raise UserError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
+    labels = labels_s.long()
+    labeled = (labels >= 0).to(dtype)
+    inv = safe_inverse(ce_denominator, dtype, labels.device)
+    names = [t.name for t in kd_terms]
+    plans = [_term_plan(t, labels, kd_ratio, dtype) for t in kd_terms]
+    for i, p in enumerate(plans):
+        if names.count(p.name) > 1:
+            p.name = f"{p.name}{i}"
+    return Plan(
+        labels=labels,
+        ce_weight=labeled * ((1.0 - kd_ratio) * inv),
+        ce_report=labeled * inv,
+        terms=plans,
+        kd_ratio=kd_ratio,
+        num_ce=(labels >= 0).sum(),
+    )
+
+
+def student_rows_of_chunks(chunks: Tensor, valid: Tensor, num_rows: int) -> Tensor:
+    """`[N]` index of the valid chunk whose student tokens each row predicts (rows
+    `[s0 − 1, s1 − 1)`), −1 for none. Needs `chunks` in order, as the alignment gives them."""
+    start, end = chunks[:, 0] - 1, chunks[:, 1] - 1
+    start = torch.where(valid, start, end)  # invalid chunks become empty spans, keeping order
+    row = torch.arange(num_rows, device=chunks.device)
+    idx = torch.searchsorted(start.contiguous(), row, right=True) - 1
+    safe = idx.clamp(min=0)
+    inside = (idx >= 0) & (row < end[safe]) & valid[safe]
+    return torch.where(inside, idx, -1)
+
+
+def chunk_logl_s(logp_label: Tensor, chunks: Tensor) -> Tensor:
+    """`[C]` float64 student log-likelihood of each chunk from per-row label log-probs `[N]`."""
+    return _span_sums(logp_label, chunks[:, 0] - 1, chunks[:, 1] - 1)

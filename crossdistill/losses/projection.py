@@ -1,0 +1,176 @@
+"""Teacher top-k targets projected onto the student vocabulary, as buckets.
+
+A `VocabProjection` is the sparse `[V_t, V_s]` matrix of the design, stored as a padded table:
+each teacher id has up to P student pieces with weights that sum to 1. The default first-piece
+projection has P = 1; a teacher id without any student piece (−1) sends its probability to the
+**tail** bucket, so the projected target stays a proper distribution (nothing is dropped).
+
+`project_topk` turns `[M, K]` teacher top-k log-probs into `[M, B]` student buckets (B = K·P),
+merging teacher ids that land on the same student id, plus the tail `[M]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from crossdistill.errors import UserError
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class VocabProjection:
+    """Teacher → student vocabulary map: `pieces [V_t, P]` student ids (−1 = none) with
+    `weights [V_t, P]` (rows sum to 1 over their pieces); `exact [V_t]` marks teacher tokens whose
+    first piece is the whole token (needed by `gold` only)."""
+
+    pieces: Tensor
+    weights: Tensor
+    num_student: int
+    exact: Tensor | None = None
+
+    @classmethod
+    def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
+        """Identical tokenizers: every token maps to itself, exactly."""
+        ids = torch.arange(vocab, device=device)
+        return cls.from_first_piece(
+            ids, vocab, exact=torch.ones(vocab, dtype=torch.bool, device=device)
+        )
+
+    @classmethod
+    def from_first_piece(
+        cls, first_piece: Tensor, num_student: int, exact: Tensor | None = None
+    ) -> VocabProjection:
+        """The default projection: `first_piece [V_t]` student id per teacher id, −1 = none."""
+        pieces = first_piece.long().unsqueeze(1)
+        return cls(pieces, (pieces >= 0).float(), num_student, exact)
+
+    @classmethod
+    def from_sparse(
+        cls,
+        rows: Tensor,
+        cols: Tensor,
+        weights: Tensor,
+        num_teacher: int,
+        num_student: int,
+        exact: Tensor | None = None,
+    ) -> VocabProjection:
+        """A multi-piece projection from COO entries `(rows, cols, weights)` `[E]`. Built once
+        per run: finding the widest row reads one number back from the device."""
+        rows, cols = rows.long(), cols.long()
+        order = torch.argsort(rows * num_student + cols)
+        rows, cols, weights = rows[order], cols[order], weights[order].float()
+        counts = torch.bincount(rows, minlength=num_teacher)
+        width = max(int(counts.max()), 1) if rows.numel() else 1
+        start = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(rows.numel(), device=rows.device) - start[rows]
+        pieces = torch.full((num_teacher, width), -1, dtype=torch.long, device=rows.device)
+        table = torch.zeros(num_teacher, width, device=rows.device)
+        pieces[rows, slot] = cols
+        table[rows, slot] = weights
+        return cls(pieces, table, num_student, exact)
+
+    @property
+    def first_piece(self) -> Tensor:
+        """`[V_t]` the first student piece of each teacher id (−1 = none)."""
+        return self.pieces[:, 0]
+
+    def exact_only(self) -> VocabProjection:
+        """Only the exact-string matches, each to its single student token (for `gold`)."""
+        if self.exact is None:
+            raise UserError(
+                "the gold loss needs to know which teacher tokens match a student token exactly; "
+                "build the vocabulary projection with its `exact` flags"
+            )
+        first = torch.where(self.exact, self.first_piece, -1)
+        return VocabProjection.from_first_piece(first, self.num_student, self.exact)
+
+    def common_student(self) -> Tensor:
+        """`[V_s]` bool: student tokens that are the exact image of some teacher token."""
+        first = self.exact_only().first_piece
+        marks = torch.zeros(self.num_student + 1, dtype=torch.bool, device=first.device)
+        marks[torch.where(first >= 0, first, self.num_student)] = True
+        return marks[: self.num_student]
+
+    def to(self, device: torch.device | str) -> VocabProjection:
+        exact = None if self.exact is None else self.exact.to(device)
+        return VocabProjection(
+            self.pieces.to(device), self.weights.to(device), self.num_student, exact
+        )
+
+
+@dataclass
+class Buckets:
+    """Sparse targets on the student vocabulary: `[M, B]` slots and one tail bucket `[M]`.
+
+    Valid slots hold distinct student ids. An invalid slot carries `logq = −inf` and repeats an
+    id of a valid slot of the same row (id 0 if the row has none), so scattering into a row by
+    `ids` never writes to a token that is not one of the row's buckets — except id 0 in rows with
+    no valid slot, where every write is the same value."""
+
+    ids: Tensor  # [M, B] int64
+    logq: Tensor  # [M, B]
+    valid: Tensor  # [M, B] bool
+    logq_tail: Tensor  # [M]
+
+    @property
+    def has_ids(self) -> Tensor:
+        return self.valid.any(-1)
+
+
+def _segment_logsumexp(x: Tensor, seg: Tensor, width: int) -> Tensor:
+    """Per row, logsumexp of `x [M, L]` grouped by segment index `seg [M, L]` into `[M, width]`;
+    −inf for empty segments. Exact for a segment of one element."""
+    top = torch.full(x.shape[:-1] + (width,), NEG_INF, dtype=x.dtype, device=x.device)
+    top = top.scatter_reduce(-1, seg, x, reduce="amax", include_self=True)
+    shift = top.gather(-1, seg)
+    finite = x > NEG_INF
+    contrib = torch.where(finite, (x - torch.where(finite, shift, 0.0)).exp(), 0.0)
+    total = torch.zeros_like(top).scatter_add(-1, seg, contrib)
+    return torch.where(total > 0, top + total.log(), NEG_INF)
+
+
+def merge_buckets(ids: Tensor, logq: Tensor, logq_tail: Tensor, num_student: int) -> Buckets:
+    """Merge duplicate student ids of `ids [M, L]` (−1 = none, its mass must already be in
+    `logq_tail`) into distinct buckets, summing their probabilities in log space."""
+    key = torch.where(ids >= 0, ids, num_student)  # invalid entries sort last
+    key, order = key.sort(dim=-1, stable=True)
+    logq = logq.gather(-1, order)
+    prev = torch.nn.functional.pad(key[..., :-1], (1, 0), value=-1)
+    first = (key != prev) & (key < num_student)
+    slot = (torch.cumsum(first.long(), -1) - 1).clamp(min=0)
+    width = ids.shape[-1]
+    merged = _segment_logsumexp(torch.where(key < num_student, logq, NEG_INF), slot, width)
+    # the id of each slot: written only by the first entry of its run
+    dump = torch.where(first, slot, width)
+    slot_ids = torch.zeros(ids.shape[:-1] + (width + 1,), dtype=torch.long, device=ids.device)
+    slot_ids = slot_ids.scatter(-1, dump, torch.where(first, key, 0))[..., :width]
+    count = first.sum(-1, keepdim=True)
+    valid = torch.arange(width, device=ids.device) < count
+    filler = torch.where(count > 0, slot_ids[..., :1], 0)
+    return Buckets(
+        ids=torch.where(valid, slot_ids, filler),
+        logq=torch.where(valid, merged, NEG_INF),
+        valid=valid,
+        logq_tail=logq_tail,
+    )
+
+
+def project_topk(
+    topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor, projection: VocabProjection
+) -> Buckets:
+    """Project teacher top-k `[M, K]` (+ tail `[M]`) onto student buckets `[M, K·P]` + tail."""
+    teacher_ids = topk_ids.long()
+    pieces = projection.pieces[teacher_ids]  # [M, K, P]
+    log_w = projection.weights[teacher_ids].to(topk_logprobs.dtype).log()
+    logq = torch.where(pieces >= 0, topk_logprobs.unsqueeze(-1) + log_w, NEG_INF)
+    unmapped = ~(pieces >= 0).any(-1)  # [M, K]: the whole entry goes to the tail
+    lost = torch.where(unmapped, topk_logprobs, NEG_INF).logsumexp(-1)
+    tail = torch.logaddexp(tail_logprob, lost)
+    # logaddexp(-inf, -inf) is nan on some builds: keep an empty tail empty
+    tail = torch.where((tail_logprob == NEG_INF) & (lost == NEG_INF), NEG_INF, tail)
+    flat = pieces.flatten(-2)
+    return merge_buckets(flat, logq.flatten(-2), tail, projection.num_student)

@@ -1,0 +1,185 @@
+"""`student_loss` for a student split over ranks: vocabulary shards (tensor parallelism) and/or
+row shards (context parallelism). See `sharding.py` for what each rank holds.
+
+The plan is laid out over the whole flattened batch (its targets and counts are tiny next to the
+logits) and then cut to this rank's rows. Row terms (CE, distribution KD) are then local. A
+chunk's log-likelihood sums label log-probs over rows that may live on several ranks, so the
+label log-probs are summed into one `[N]` vector across ranks (one all-reduce of N floats); the
+chunk-likelihood gradient of every local row is then known, and each chunk's value and metrics
+are counted by the one rank holding the chunk's first prediction row. Summed over ranks, every
+value equals the single-device one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from crossdistill.losses import divergences as div
+from crossdistill.losses.chunked import (
+    ChunkedStudentLoss,
+    accumulate_dtype,
+    compute_dtype,
+    logits,
+)
+from crossdistill.losses.plan import KDTerm, Plan, TermPlan, build_plan, chunk_logl_s
+from crossdistill.losses.sharding import RowShard, VocabShard
+
+
+def owned_chunks(term: TermPlan, owned: Tensor) -> Tensor:
+    """`[C]` the chunks whose first prediction row (`s0 − 1`) is one of this rank's rows."""
+    s0 = term.chunks[:, 0]
+    return owned[(s0 - 1).clamp(min=0)] & (s0 > 0)
+
+
+def take_rows(plan: Plan, rows: Tensor, owned: Tensor) -> Plan:
+    """The plan of rows `rows [n]` (this rank's); chunk-level counts restricted to the chunks
+    this rank owns (`owned [N]`: its rows)."""
+
+    def part_rows(p):
+        pick = {"logq": p.logq[rows]}
+        for name in ("ids", "valid", "logq_tail"):
+            value = getattr(p, name)
+            pick[name] = None if value is None else value[rows]
+        return dataclasses.replace(p, **pick)
+
+    terms = []
+    for t in plan.terms:
+        mine = owned_chunks(t, owned)
+        terms.append(
+            dataclasses.replace(
+                t,
+                row_weight=t.row_weight[rows],
+                report_weight=t.report_weight[rows],
+                top1_s=t.top1_s[rows],
+                parts=[part_rows(p) for p in t.parts],
+                complete_chunks=t.complete_chunks & mine,
+                count=(t.valid_chunks & mine).sum(),
+            )
+        )
+    labels = plan.labels[rows]
+    return dataclasses.replace(
+        plan,
+        labels=labels,
+        ce_weight=plan.ce_weight[rows],
+        ce_report=plan.ce_report[rows],
+        terms=terms,
+        num_ce=(labels >= 0).sum(),
+    )
+
+
+@torch.no_grad()
+def label_logprobs(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, vocab: VocabShard | None
+) -> Tensor:
+    """`[n]` log-prob of each row's label (0 where unlabeled), over a vocabulary shard."""
+    dtype = compute_dtype(hidden, weight)
+    acc = accumulate_dtype(dtype)
+    out = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_c, w_c = hidden.to(dtype), weight.to(dtype)
+        for r0 in range(0, hidden.shape[0], chunk_size):
+            sl = slice(r0, min(r0 + chunk_size, hidden.shape[0]))
+            z = logits(h_c[sl], w_c, acc)
+            lab = labels[sl].clamp(min=0).unsqueeze(1)
+            if vocab is None:
+                picked, lse = z.gather(1, lab).squeeze(1), torch.logsumexp(z, 1)
+            else:
+                picked, lse = vocab.gather(z, lab).squeeze(1), vocab.logsumexp(z)
+            out[sl] = torch.where(labels[sl] >= 0, picked - lse, 0.0)
+    return out
+
+
+def _chunk_likelihood(
+    plan: Plan, logp_label: Tensor, mine: list[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunk-likelihood loss and reported sums over this rank's chunks, and the per-row
+    coefficient `[N]` from all chunks (a row's chunk may be owned by another rank)."""
+    from crossdistill.losses.plan import student_rows_of_chunks
+
+    n = logp_label.shape[0]
+    coef = torch.zeros_like(logp_label)
+    loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
+    sums = torch.zeros(len(plan.terms), dtype=logp_label.dtype, device=logp_label.device)
+    for i, term in enumerate(plan.terms):
+        if term.loss != "chunk_likelihood":
+            continue
+        logl_s = chunk_logl_s(logp_label, term.chunks).requires_grad_(True)
+        with torch.enable_grad():
+            value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)
+            (grad,) = torch.autograd.grad(value, logl_s)
+        owner = student_rows_of_chunks(term.chunks, term.valid_chunks, n)
+        coef -= torch.where(owner >= 0, grad[owner.clamp(min=0)], 0.0).to(coef.dtype)
+        logl = logl_s.detach()
+        weight = torch.where(mine[i], term.chunk_weight, 0.0)
+        report = torch.where(mine[i], term.chunk_report, 0.0)
+        loss += div.chunk_likelihood(term.logl_t, logl, weight, term.temperature).to(loss.dtype)
+        sums[i] = div.chunk_likelihood(term.logl_t, logl, report, term.temperature)
+    return loss, sums, coef
+
+
+def sharded_student_loss(
+    hidden: Tensor,
+    lm_head: Tensor,
+    labels: Tensor,
+    terms: list[KDTerm],
+    kd_ratio: float,
+    ce_denominator: Tensor | float,
+    chunk_size: int,
+    vocab: VocabShard | None,
+    rows: RowShard | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`student_loss` with `hidden [n, H]` of this rank's rows (`rows`, or all), `labels [N]`
+    and `terms` of the whole flattened batch, `lm_head` this rank's vocabulary rows (`vocab`,
+    or all). The loss and metrics are this rank's parts: their sum over ranks is the value."""
+    acc = accumulate_dtype(compute_dtype(hidden, lm_head))
+    plan = build_plan(labels, terms, kd_ratio, ce_denominator, acc)
+    num_rows = labels.shape[0]
+    if rows is None:
+        owned = torch.ones(num_rows, dtype=torch.bool, device=labels.device)
+        local = plan
+    else:
+        owned = rows.owned()
+        local = take_rows(plan, rows.rows, owned)
+    mine = [owned_chunks(t, owned) for t in plan.terms]
+
+    def everywhere(x: Tensor) -> Tensor:  # [n] local rows -> [N] all rows
+        return x if rows is None else rows.to_global(x)
+
+    extra = torch.zeros((), dtype=acc, device=hidden.device)
+    coef, cl_sums = local.ce_weight, None
+    if any(t.loss == "chunk_likelihood" for t in plan.terms):
+        first = everywhere(label_logprobs(hidden, lm_head, local.labels, chunk_size, vocab))
+        extra, cl_sums, cl_coef = _chunk_likelihood(plan, first, mine)
+        coef = coef + (cl_coef if rows is None else cl_coef[rows.rows])
+    loss, term_sums, logp_label, argmax = ChunkedStudentLoss.apply(
+        hidden, lm_head, local, chunk_size, coef, extra, torch.is_grad_enabled(), False, vocab
+    )
+    if cl_sums is not None:
+        term_sums = term_sums + cl_sums
+    return loss, _metrics(local, loss, term_sums, logp_label, everywhere(logp_label), argmax)
+
+
+def _metrics(
+    plan: Plan, loss: Tensor, term_sums: Tensor, logp_label: Tensor, logp_all: Tensor, argmax
+) -> dict[str, Tensor]:
+    """As `objective._metrics`, over this rank's rows and chunks (`logp_all [N]`: label
+    log-probs of all rows, for the chunk sums)."""
+    out = {
+        "loss": loss.detach(),
+        "ce": (-logp_label * plan.ce_report).sum(),
+        "num_ce": plan.num_ce,
+    }
+    for i, term in enumerate(plan.terms):
+        name = term.name
+        out[f"kd/{name}"] = term_sums[i] * term.temperature**2
+        hit = (argmax == term.top1_s) & (term.top1_s >= 0)
+        out[f"top1/{name}"] = torch.where(hit, term.report_weight, 0.0).sum()
+        out[f"num_kd/{name}"] = term.count
+        done = term.complete_chunks
+        out[f"nll_s/{name}"] = -torch.where(done, chunk_logl_s(logp_all, term.chunks), 0.0).sum()
+        out[f"nll_t/{name}"] = -torch.where(done, term.logl_t, 0.0).sum()
+        out[f"num_chunks/{name}"] = done.sum()
+    return out

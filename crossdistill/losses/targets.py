@@ -1,0 +1,192 @@
+"""Teacher targets: what a teacher hands the student, never full-vocabulary logits.
+
+At the M distribution-matching (KD) positions, the teacher's top-k token ids and log-probs at
+temperature τ plus the log of the remaining tail mass; at every teacher position, the log-prob
+(at τ = 1) of the actual next token, for chunk-likelihood matching and teacher CE / bits per byte.
+
+Size: with k = top-k, a KD position costs `8·k + 4` bytes (int32 ids, float32 log-probs, float32
+tail) — 516 B at k = 64 — and every teacher token `5` bytes (float32 next-token log-prob plus a
+bool). At 8k tokens and k = 64 that is about 4.3 MB per sequence, against 2.4 GB for bf16 logits
+over a 150k vocabulary. This is what moves between devices and what an on-disk cache stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from crossdistill.errors import UserError
+from crossdistill.losses.sharding import VocabShard
+
+
+@dataclass
+class TeacherTargets:
+    """One teacher's sparse targets for a flattened batch (M KD positions, N_t teacher rows)."""
+
+    topk_ids: Tensor  # [M, K] int32 teacher token ids, by descending probability
+    topk_logprobs: Tensor  # [M, K] float32 log-probs at `temperature`
+    tail_logprob: Tensor  # [M] float32 log of the mass outside the top-k (-inf when K = V_t)
+    next_logprobs: Tensor  # [N_t] float32 log-prob at τ = 1 of the next token; 0 where invalid
+    next_valid: Tensor  # [N_t] bool: the position has a next token
+    temperature: float = 1.0
+
+    @staticmethod
+    def bytes_per_kd_position(top_k: int) -> int:
+        return 8 * top_k + 4
+
+    BYTES_PER_TOKEN = 5
+
+    def nbytes(self) -> int:
+        return sum(getattr(self, f.name).nbytes for f in fields(self) if f.name != "temperature")
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> TeacherTargets:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TeacherTargets:
+        return self._map(lambda t: t.pin_memory())
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The tensors by field name (for safetensors caches); `temperature` is metadata."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "temperature"}
+
+    def _map(self, fn) -> TeacherTargets:
+        return TeacherTargets(
+            **{k: fn(v) for k, v in self.tensors().items()}, temperature=self.temperature
+        )
+
+
+def kd_positions(chunks: Tensor) -> tuple[Tensor, Tensor]:
+    """Student and teacher KD rows `[C]` of each chunk `[C, 4]` = (s0, s1, t0, t1): the positions
+    `s0 − 1` and `t0 − 1` that predict the chunk's first token from the same text prefix; −1
+    where the chunk has none (it starts a sequence, or one side is empty)."""
+    s0, s1, t0, t1 = chunks.unbind(-1)
+    ok = (s0 > 0) & (t0 > 0) & (s1 > s0) & (t1 > t0)
+    return torch.where(ok, s0 - 1, -1), torch.where(ok, t0 - 1, -1)
+
+
+def _logits(hidden: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
+    return (hidden @ weight.t()).to(out_dtype)
+
+
+@torch.no_grad()
+def teacher_targets(
+    hidden_t: Tensor,
+    lm_head_t: Tensor,
+    kd_index_t: Tensor,
+    next_ids_t: Tensor,
+    top_k: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    vocab: VocabShard | None = None,
+) -> TeacherTargets:
+    """Top-k targets at `kd_index_t` and next-token log-probs everywhere, in sequence chunks.
+
+    `hidden_t [N_t, H_t]` final hidden states, `lm_head_t [V_t, H_t]`, `kd_index_t [M]` teacher
+    rows (−1 = none: that row of the result is filler the loss masks out), `next_ids_t [N_t]` the
+    next token id per row (< 0 = none). Only one `[chunk_size, V_t]` block of logits exists at a
+    time. The tail is computed by summing the non-top-k probabilities directly (no `1 − Σ`
+    cancellation); when K < V_t it is floored at float32's smallest normal so that it is never
+    −inf, which would make reverse-KL-like losses infinite.
+
+    `vocab`: `lm_head_t` holds this rank's vocabulary rows only (tensor parallelism); softmax
+    statistics are combined across ranks and the top-k is the top-k of every rank's top-k.
+    """
+    if vocab is not None:
+        return _sharded_targets(
+            hidden_t, lm_head_t, kd_index_t, next_ids_t, top_k, temperature, chunk_size, vocab
+        )
+    num_rows, vocab = hidden_t.shape[0], lm_head_t.shape[0]
+    if not 0 < top_k <= vocab:
+        raise UserError(f"top_k must be in [1, {vocab}] (the teacher vocabulary), got {top_k}")
+    if temperature <= 0:
+        raise UserError(f"temperature must be > 0, got {temperature}")
+    acc = torch.float64 if hidden_t.dtype == torch.float64 else torch.float32
+    top_lp = torch.empty(num_rows, top_k, dtype=acc, device=hidden_t.device)
+    top_ids = torch.empty(num_rows, top_k, dtype=torch.int64, device=hidden_t.device)
+    tail = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
+    next_lp = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
+    next_valid = next_ids_t >= 0
+    tail_floor = torch.finfo(torch.float32).tiny if top_k < vocab else 0.0
+    for r0 in range(0, num_rows, chunk_size):
+        r1 = min(r0 + chunk_size, num_rows)
+        z = _logits(hidden_t[r0:r1], lm_head_t, acc)  # [c, V_t]
+        nxt = next_ids_t[r0:r1].clamp(min=0).unsqueeze(1)
+        next_lp[r0:r1] = z.gather(1, nxt).squeeze(1) - torch.logsumexp(z, dim=1)
+        vals, ids = z.topk(top_k, dim=1)  # sorted, descending
+        zmax = vals[:, :1]
+        e = z.sub_(zmax).div_(temperature).exp_()  # in place: [c, V_t] at τ, max 1
+        log_s = e.sum(1).log()
+        e.scatter_(1, ids, 0.0)
+        tail[r0:r1] = e.sum(1).clamp(min=tail_floor).log() - log_s
+        top_lp[r0:r1] = (vals - zmax) / temperature - log_s.unsqueeze(1)
+        top_ids[r0:r1] = ids
+    rows = kd_index_t.clamp(min=0)
+    return TeacherTargets(
+        topk_ids=top_ids[rows].to(torch.int32),
+        topk_logprobs=top_lp[rows],
+        tail_logprob=tail[rows],
+        next_logprobs=torch.where(next_valid, next_lp, 0.0),
+        next_valid=next_valid,
+        temperature=float(temperature),
+    )
+
+
+@torch.no_grad()
+def _sharded_targets(
+    hidden_t: Tensor,
+    lm_head_t: Tensor,
+    kd_index_t: Tensor,
+    next_ids_t: Tensor,
+    top_k: int,
+    temperature: float,
+    chunk_size: int,
+    vocab: VocabShard,
+) -> TeacherTargets:
+    """`teacher_targets` with the vocabulary split over ranks (`lm_head_t [V_t/tp, H_t]`)."""
+    if not 0 < top_k <= vocab.total:
+        raise UserError(
+            f"top_k must be in [1, {vocab.total}] (the teacher vocabulary), got {top_k}"
+        )
+    if temperature <= 0:
+        raise UserError(f"temperature must be > 0, got {temperature}")
+    num_rows = hidden_t.shape[0]
+    acc = torch.float64 if hidden_t.dtype == torch.float64 else torch.float32
+    top_lp = torch.empty(num_rows, top_k, dtype=acc, device=hidden_t.device)
+    top_ids = torch.empty(num_rows, top_k, dtype=torch.int64, device=hidden_t.device)
+    tail = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
+    next_lp = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
+    next_valid = next_ids_t >= 0
+    tail_floor = torch.finfo(torch.float32).tiny if top_k < vocab.total else 0.0
+    for r0 in range(0, num_rows, chunk_size):
+        r1 = min(r0 + chunk_size, num_rows)
+        z = _logits(hidden_t[r0:r1], lm_head_t, acc)  # [c, V_t/tp]
+        nxt = next_ids_t[r0:r1].clamp(min=0).unsqueeze(1)
+        next_lp[r0:r1] = vocab.gather(z, nxt).squeeze(1) - vocab.logsumexp(z)
+        vals, ids = vocab.topk(z, top_k)  # global ids, sorted, descending
+        zmax = vals[:, :1]
+        e = z.sub_(zmax).div_(temperature).exp_()
+        log_s = vocab.sum(e.sum(1)).log()
+        keep = torch.ones(r1 - r0, dtype=torch.bool, device=e.device)
+        _, s_tail = vocab.tail_mass(e, ids, keep)  # Σ e over the non-top-k tokens, directly
+        tail[r0:r1] = s_tail.clamp(min=tail_floor).log() - log_s
+        top_lp[r0:r1] = (vals - zmax) / temperature - log_s.unsqueeze(1)
+        top_ids[r0:r1] = ids
+    rows = kd_index_t.clamp(min=0)
+    return TeacherTargets(
+        topk_ids=top_ids[rows].to(torch.int32),
+        topk_logprobs=top_lp[rows],
+        tail_logprob=tail[rows],
+        next_logprobs=torch.where(next_valid, next_lp, 0.0),
+        next_valid=next_valid,
+        temperature=float(temperature),
+    )
+
+
+def next_token_nll(targets: TeacherTargets, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The teacher's own next-token NLL summed over valid positions (and `mask [N_t]` if given),
+    with the count: sum both over the global batch for the teacher's CE or bits per byte."""
+    valid = targets.next_valid if mask is None else targets.next_valid & mask
+    nll = torch.where(valid, -targets.next_logprobs, 0.0).sum()
+    return nll, valid.sum()

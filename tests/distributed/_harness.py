@@ -1,0 +1,257 @@
+"""Helpers for the multi-process tests: free ports, gloo worker processes, and the tiny
+cross-tokenizer scenario on which every layout is compared with one process.
+
+The scenario: a tiny Llama student (Llama-2 tokenizer) and two teachers with other tokenizers,
+a tiny Qwen3 (GPT-2 tokenizer, forward KL on top-k targets) and a tiny Phi-3 (Mistral
+tokenizer, chunk-likelihood; its fused qkv / gate_up projections exercise the fused TP plans).
+Real tokenizers and the real data pipeline cut the micro-batches once, in the parent process;
+the workers read them from a file, so every layout sees the same global batches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from crossdistill.config import Config, ParallelConfig, from_dict
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    x: int = 0\n    y: int = 0\n",
+    "The quick brown fox jumps over the lazy dog, then naps in the warm afternoon sun. " * 3,
+    "import os\nfor root, dirs, files in os.walk('.'):\n    print(root, len(files))\n",
+    "Numbers 12345 and 3.14159, café naïve résumé, 数学 and 🙂 emoji.\r\nCRLF line.\n",
+] * 10
+WINDOW = 2  # micro-batches per step (global): one per data-parallel rank under dp2
+STEPS = 3
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, errors: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+    )
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        fn(rank, *args)
+    except BaseException:
+        Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Any, world: int, *args: Any, errors: Path) -> None:
+    """Run `fn(rank, *args)` in `world` gloo processes (a fresh free port); a worker's
+    traceback is re-raised here."""
+    import torch.multiprocessing as mp
+
+    errors.mkdir(parents=True, exist_ok=True)
+    try:
+        mp.spawn(_entry, args=(world, free_port(), fn, args, str(errors)), nprocs=world)
+    except Exception as e:
+        found = sorted(errors.glob("rank*.txt"))
+        detail = "\n".join(p.read_text() for p in found)
+        raise AssertionError(f"worker failed:\n{detail or e}") from None
+
+
+def scenario_config(tokenizers: dict[str, str], data: Path, out: Path) -> Config:
+    def model(arch: str, tok: str, vocab: int) -> dict:
+        return {
+            "arch": arch,
+            "tokenizer": tokenizers[tok],
+            "dtype": "float32",
+            "overrides": {"vocab_size": vocab},
+        }
+
+    raw = {
+        "student": model("tiny-llama", "llama2", 32000),
+        "teachers": [
+            {"name": "qwen", **model("tiny-qwen3", "gpt2", 50304), "top_k": 16},
+            {
+                "name": "phi",
+                **model("tiny-phi3", "mistral", 32768),
+                "loss": "chunk_likelihood",
+                "weight": 0.5,
+            },
+        ],
+        "data": {
+            "train": [str(data / "train.jsonl")],
+            "validation": [str(data / "val.jsonl")],
+            "seq_len": 64,
+            "micro_batch_size": 2,
+            "num_workers": 0,
+            "pad_multiple": 16,
+        },
+        "optim": {"lr": 1e-3, "warmup_steps": 1, "grad_clip": 1.0},
+        "train": {"device": "cpu", "loss_chunk_size": 48, "seed": 0, "kd_ratio": 0.5},
+        "run": {"out_dir": str(out), "tensorboard": False, "progress": False},
+    }
+    return from_dict(Config, raw)
+
+
+def write_corpus(folder: Path) -> Path:
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, texts in (("train.jsonl", TEXTS), ("val.jsonl", TEXTS[:12])):
+        with open(folder / name, "w") as f:
+            for i, t in enumerate(texts):
+                f.write(json.dumps({"text": f"{i}: {t}"}) + "\n")
+    return folder
+
+
+@dataclass
+class Scenario:
+    """What every process needs besides the config: the global micro-batches, the vocabulary
+    projections (built once, seconds each) and each teacher's token byte lengths."""
+
+    batches: list
+    projections: dict[str, Any]
+    byte_lengths: dict[str, torch.Tensor]
+
+
+def prepare(cfg: Config, count: int, path: Path) -> Scenario:
+    """Cut `count` micro-batches with the real data pipeline and save the scenario to `path`."""
+    from crossdistill.alignment import TokenBytes
+    from crossdistill.data import build_loader
+    from crossdistill.models import load_tokenizer
+    from crossdistill.train.build import build_projection_for
+    from crossdistill.train.validate import validate_config
+
+    res_s, res_t = validate_config(cfg)
+    tok_s = load_tokenizer(cfg.student.tokenizer)
+    toks_t = [load_tokenizer(t.tokenizer) for t in cfg.teachers]
+    loader = iter(build_loader(cfg.data, tok_s, toks_t, split="train"))
+    batches = [_owned(next(loader)) for _ in range(count)]
+    rows_s = res_s.hf_config.vocab_size
+    projections, lengths = {}, {}
+    for t, tok, r in zip(cfg.teachers, toks_t, res_t):
+        cpu = torch.device("cpu")
+        projections[t.name] = build_projection_for(
+            t, tok, tok_s, r.hf_config.vocab_size, rows_s, cpu
+        )
+        lengths[t.name] = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
+    scenario = Scenario(batches, projections, lengths)
+    torch.save(scenario, path)
+    return scenario
+
+
+def _owned(obj: Any) -> Any:
+    """A batch whose tensors own their memory (loader tensors may view numpy buffers, which
+    `torch.save` refuses to store twice under different types)."""
+    import dataclasses
+
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, list):
+        return [_owned(x) for x in obj]
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(
+            obj, **{f.name: _owned(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        )
+    return obj
+
+
+@dataclass
+class Layouts:
+    """A student layout and one per teacher."""
+
+    name: str
+    student: ParallelConfig
+    teachers: list[ParallelConfig]
+    activation_checkpointing: bool = False  # the student's
+
+
+def with_layouts(cfg: Config, layouts: Layouts) -> Config:
+    cfg.student.parallel = layouts.student
+    cfg.student.activation_checkpointing = layouts.activation_checkpointing
+    for t, p in zip(cfg.teachers, layouts.teachers):
+        t.parallel = p
+    return cfg
+
+
+def run_steps(cfg: Config, sc: Scenario, steps: int = STEPS) -> list[tuple[float, float]]:
+    """(loss, grad norm) of `steps` optimizer steps on `batches` (WINDOW per step), in the
+    layouts of `cfg` when a process group is running, else in one process."""
+    from crossdistill.distributed.grads import clip_grad_norm_
+    from crossdistill.distributed.layout import init_distributed
+    from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
+    from crossdistill.models import Teacher, build_causal_lm
+    from crossdistill.models.loading import parse_dtype
+    from crossdistill.train.optim import build_optimizer
+    from crossdistill.train.step import SingleProcess, StepSettings, TeacherSlot, train_step
+    from crossdistill.train.validate import validate_config
+
+    env = init_distributed("cpu")
+    dev = env.device
+    res_s, res_t = validate_config(cfg)
+    if env.distributed:
+        layouts = plan_layouts(cfg, env.world_size, res_s.hf_config, [r.hf_config for r in res_t])
+        placement = build_placement(env, layouts)
+        student, models_t, _ = parallel_models(cfg, placement)
+        data_rank, data_size = placement.data_rank, placement.data_size
+    else:
+        placement = SingleProcess(dev)
+        s = cfg.student
+        student = build_causal_lm(
+            arch=s.arch, dtype=parse_dtype(s.dtype), overrides=s.overrides, seed=cfg.train.seed
+        )
+        models_t = [
+            build_causal_lm(
+                arch=t.arch,
+                dtype=parse_dtype(t.dtype),
+                overrides=t.overrides,
+                seed=cfg.train.seed + 1,
+            )
+            for t in cfg.teachers
+        ]
+        data_rank, data_size = 0, 1
+    slots = [
+        TeacherSlot(Teacher(model, t.name), t, sc.projections[t.name], sc.byte_lengths[t.name])
+        for t, model in zip(cfg.teachers, models_t)
+    ]
+    settings = StepSettings(
+        kd_ratio=cfg.train.kd_ratio,
+        teacher_mode="weighted",
+        loss_chunk_size=cfg.train.loss_chunk_size,
+        autocast=False,
+        device=dev,
+    )
+    optimizer = build_optimizer(student, cfg.optim)
+    out = []
+    for step in range(steps):
+        window = sc.batches[step * WINDOW : (step + 1) * WINDOW]
+        mine = [mb for j, mb in enumerate(window) if j % data_size == data_rank]
+        metrics = train_step(student, slots, mine, settings, placement=placement)
+        norm = clip_grad_norm_(student.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        out.append((float(metrics["loss"]), float(norm)))
+    return out
+
+
+def layouts_worker(rank: int, cfg: Config, scenario_file: str, cases: list[Layouts], out: str):
+    """Every case in turn in the same process group; rank 0 writes {case: [(loss, norm)]}."""
+    sc = torch.load(scenario_file, weights_only=False)
+    results = {}
+    for case in cases:
+        results[case.name] = run_steps(with_layouts(cfg, case), sc)
+    if rank == 0:
+        torch.save(results, out)

@@ -1,0 +1,67 @@
+"""The two-kernel flow of the chunked pass (`losses.fused`): on CPU its kernels run as their
+PyTorch references, so the flow around them is checked here against the plain PyTorch pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from crossdistill.losses import LOSSES, ce_count, student_loss
+from crossdistill.losses.fused import bucket_bits, row_stats_torch
+from tests.unit.test_losses_student import rel, terms_for
+
+
+def _both(hidden, weight, labels, terms, chunk=4):
+    out = []
+    for fused in (False, True):
+        h = hidden.clone().requires_grad_(True)
+        w = weight.clone().requires_grad_(True)
+        loss, metrics = student_loss(h, w, labels, terms, 0.6, ce_count(labels), chunk, fused=fused)
+        loss.backward()
+        out.append((loss.detach(), h.grad, w.grad, metrics))
+    return out
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_fused_flow_matches_the_plain_pass(loss, tau):
+    plain, fused = _both(*terms_for(loss, seed=30, tau=tau))
+    assert abs(fused[0].item() - plain[0].item()) <= 1e-13 * plain[0].item()
+    assert rel(fused[1], plain[1]) < 1e-13 and rel(fused[2], plain[2]) < 1e-13
+    assert all(abs(fused[3][k] - plain[3][k]) < 1e-12 for k in plain[3])
+
+
+def test_fused_flow_with_several_temperatures():
+    terms = []
+    for i, (loss, tau) in enumerate([("forward_kl", 2.0), ("jsd", 1.0), ("uld", 3.0)]):
+        hidden, weight, labels, (term,) = terms_for(loss, seed=31 + i, tau=tau)
+        terms.append(term)
+    hidden, weight, labels, _ = terms_for("tvd", seed=31)
+    plain, fused = _both(hidden, weight, labels, terms, chunk=5)
+    assert abs(fused[0].item() - plain[0].item()) <= 1e-13 * plain[0].item()
+    assert rel(fused[1], plain[1]) < 1e-13 and rel(fused[2], plain[2]) < 1e-13
+
+
+def test_bucket_bits_mark_exactly_the_valid_ids():
+    gen = torch.Generator().manual_seed(32)
+    vocab = 100
+    ids = torch.stack([torch.randperm(vocab, generator=gen)[:7] for _ in range(5)])
+    valid = torch.rand(5, 7, generator=gen) < 0.7
+    words = bucket_bits(ids, valid, vocab)
+    for r in range(5):
+        marked = {c for c in range(vocab) if (words[r, c // 32] >> (c % 32)) & 1}
+        assert marked == set(ids[r][valid[r]].tolist())
+
+
+def test_row_stats_reference_matches_plain_sums():
+    gen = torch.Generator().manual_seed(33)
+    z = torch.randn(4, 70, generator=gen, dtype=torch.float64) * 3
+    ids = torch.stack([torch.randperm(70, generator=gen)[:5] for _ in range(4)])
+    zmax, arg, s, tail = row_stats_torch(z, [1.0, 2.5], [bucket_bits(ids, None, 70)], [1])
+    assert torch.equal(arg, z.argmax(1))
+    for r in range(4):
+        e1 = (z[r] - z[r].max()).exp()
+        e2 = ((z[r] - z[r].max()) / 2.5).exp()
+        out = [c for c in range(70) if c not in ids[r].tolist()]
+        assert abs(s[r, 0] - e1.sum()) < 1e-12 and abs(s[r, 1] - e2.sum()) < 1e-12
+        assert abs(tail[r, 0] - e2[out].sum()) < 1e-12

@@ -1,0 +1,211 @@
+"""Teacher targets and vocabulary projection against plain float64 computations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from crossdistill.errors import UserError
+from crossdistill.losses import (
+    TeacherTargets,
+    VocabProjection,
+    kd_positions,
+    next_token_nll,
+    project_topk,
+    teacher_targets,
+)
+
+NEG_INF = float("-inf")
+
+
+def _teacher(seed, rows=9, hidden=5, vocab=23, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=gen, dtype=dtype)
+    w = torch.randn(vocab, hidden, generator=gen, dtype=dtype)
+    nxt = torch.randint(0, vocab, (rows,), generator=gen)
+    nxt[-1] = -100
+    return h, w, nxt
+
+
+@pytest.mark.parametrize("tau", [1.0, 2.5])
+def test_teacher_targets_match_plain_float64(tau):
+    h, w, nxt = _teacher(0)
+    kd = torch.tensor([0, 3, -1, 8, 4])
+    got = teacher_targets(h, w, kd, nxt, top_k=4, temperature=tau, chunk_size=2)
+    z = h @ w.t()
+    for m, row in enumerate(kd.tolist()):
+        row = max(row, 0)
+        probs = [math.exp(v / tau) for v in z[row].tolist()]
+        total = sum(probs)
+        probs = [p / total for p in probs]
+        order = sorted(range(len(probs)), key=lambda i: -probs[i])[:4]
+        assert got.topk_ids[m].tolist() == order
+        for k, i in enumerate(order):
+            assert abs(got.topk_logprobs[m, k].item() - math.log(probs[i])) < 1e-12
+        tail = sum(p for i, p in enumerate(probs) if i not in order)
+        assert abs(got.tail_logprob[m].item() - math.log(tail)) < 1e-12
+    for r in range(9):
+        if nxt[r] < 0:
+            assert not got.next_valid[r] and got.next_logprobs[r] == 0
+            continue
+        lse = math.log(sum(math.exp(v) for v in z[r].tolist()))
+        assert abs(got.next_logprobs[r].item() - (z[r, nxt[r]].item() - lse)) < 1e-12
+
+
+def test_teacher_targets_chunk_size_invariant_and_full_topk_has_empty_tail():
+    h, w, nxt = _teacher(1)
+    kd = torch.arange(9)
+    ref = teacher_targets(h, w, kd, nxt, top_k=23, chunk_size=100)
+    assert (ref.tail_logprob == NEG_INF).all()
+    torch.testing.assert_close(ref.topk_logprobs.exp().sum(-1), torch.ones(9, dtype=torch.float64))
+    for chunk in (1, 4):
+        other = teacher_targets(h, w, kd, nxt, top_k=23, chunk_size=chunk)
+        assert torch.equal(other.topk_ids, ref.topk_ids)
+        torch.testing.assert_close(other.topk_logprobs, ref.topk_logprobs, rtol=0, atol=1e-14)
+
+
+def test_teacher_targets_bf16_is_close_to_float64():
+    h, w, nxt = _teacher(2, vocab=200)
+    kd = torch.arange(9)
+    ref = teacher_targets(h.bfloat16().double(), w.bfloat16().double(), kd, nxt, 8)
+    got = teacher_targets(h.bfloat16(), w.bfloat16(), kd, nxt, 8)
+    assert got.topk_logprobs.dtype == torch.float32
+    # bf16 logits carry ~3 significant digits; compare probabilities where the order agrees
+    same = (got.topk_ids == ref.topk_ids).all(-1)
+    assert same.sum() >= 5
+    err = (got.topk_logprobs[same].double().exp() - ref.topk_logprobs[same].exp()).abs().max()
+    assert err < 5e-3
+
+
+def test_size_per_token_is_as_documented():
+    h, w, nxt = _teacher(3)
+    h, w = h.float(), w.float()
+    got = teacher_targets(h, w, torch.arange(6), nxt, top_k=4)
+    assert got.topk_ids.dtype == torch.int32 and got.topk_logprobs.dtype == torch.float32
+    expected = 6 * TeacherTargets.bytes_per_kd_position(4) + 9 * TeacherTargets.BYTES_PER_TOKEN
+    assert got.nbytes() == expected
+    assert TeacherTargets.bytes_per_kd_position(64) == 516
+    moved = got.to("cpu")
+    assert moved.temperature == got.temperature and torch.equal(moved.topk_ids, got.topk_ids)
+
+
+def test_bad_top_k_and_temperature_are_user_errors():
+    h, w, nxt = _teacher(4)
+    with pytest.raises(UserError, match="top_k"):
+        teacher_targets(h, w, torch.arange(3), nxt, top_k=0)
+    with pytest.raises(UserError, match="temperature"):
+        teacher_targets(h, w, torch.arange(3), nxt, top_k=2, temperature=0.0)
+
+
+def test_kd_positions_and_next_token_nll():
+    chunks = torch.tensor([[0, 1, 0, 2], [1, 3, 2, 3], [3, 3, 3, 4], [3, 4, 4, 4], [4, 5, 4, 6]])
+    s, t = kd_positions(chunks)
+    assert s.tolist() == [-1, 0, -1, -1, 3]  # first chunk, empty student side, empty teacher side
+    assert t.tolist() == [-1, 1, -1, -1, 3]
+    h, w, nxt = _teacher(5)
+    got = teacher_targets(h, w, torch.arange(2), nxt, 3)
+    nll, count = next_token_nll(got)
+    want = sum(-got.next_logprobs[r].item() for r in range(9) if nxt[r] >= 0)
+    assert count.item() == 8 and abs(nll.item() - want) < 1e-12
+
+
+def _dense_target(ids, logq, tail, projection, num_student):
+    """Plain projection through a dense [V_t, V_s + 1] matrix; the last column is the tail."""
+    v_t = projection.pieces.shape[0]
+    dense = torch.zeros(v_t, num_student + 1, dtype=torch.float64)
+    for t in range(v_t):
+        pieces = [
+            (s, wt)
+            for s, wt in zip(projection.pieces[t].tolist(), projection.weights[t].tolist())
+            if s >= 0
+        ]
+        if not pieces:
+            dense[t, num_student] = 1.0
+        for s, wt in pieces:
+            dense[t, s] += wt
+    out = torch.zeros(ids.shape[0], num_student + 1, dtype=torch.float64)
+    for m in range(ids.shape[0]):
+        for k in range(ids.shape[1]):
+            out[m] += math.exp(logq[m, k].item()) * dense[ids[m, k]]
+        out[m, num_student] += math.exp(tail[m].item())
+    return out
+
+
+def _from_buckets(b, num_student):
+    out = torch.zeros(b.ids.shape[0], num_student + 1, dtype=torch.float64)
+    for m in range(b.ids.shape[0]):
+        seen = set()
+        for j in range(b.ids.shape[1]):
+            if b.valid[m, j]:
+                sid = b.ids[m, j].item()
+                assert sid not in seen  # valid slots are distinct tokens
+                seen.add(sid)
+                out[m, sid] = math.exp(b.logq[m, j].item())
+            else:
+                assert b.logq[m, j] == NEG_INF
+                assert b.ids[m, j].item() in seen or not b.valid[m].any()
+        out[m, num_student] = math.exp(b.logq_tail[m].item())
+    return out
+
+
+def _random_targets(seed, rows=5, k=6, v_t=15):
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, v_t, generator=gen, dtype=torch.float64)
+    logp = logits.log_softmax(-1)
+    top, ids = logp.topk(k, -1)
+    rest = logp.scatter(1, ids, NEG_INF).logsumexp(-1)
+    return ids.to(torch.int32), top, rest
+
+
+def test_first_piece_projection_matches_dense_matrix():
+    ids, logq, tail = _random_targets(6)
+    # collisions (several teacher ids -> one student id) and unmapped ids (-1 -> tail)
+    first = torch.tensor([0, 0, 1, -1, 2, 2, 2, 3, -1, 4, 5, 6, 0, 7, -1])
+    proj = VocabProjection.from_first_piece(first, num_student=9)
+    got = _from_buckets(project_topk(ids, logq, tail, proj), 9)
+    want = _dense_target(ids, logq, tail, proj, 9)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got.sum(-1), torch.ones(5, dtype=torch.float64))
+
+
+def test_multi_piece_projection_matches_dense_matrix():
+    ids, logq, tail = _random_targets(7)
+    rows = torch.tensor([0, 0, 1, 2, 2, 2, 4, 5, 6, 7, 8, 9, 10, 11, 11, 12, 13, 14])
+    cols = torch.tensor([1, 2, 2, 0, 3, 4, 4, 5, 6, 7, 8, 1, 0, 2, 6, 3, 4, 5])
+    wts = torch.tensor(
+        [0.5, 0.5, 1.0, 0.2, 0.3, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.9, 0.1, 1.0, 1.0, 1.0]
+    )
+    proj = VocabProjection.from_sparse(rows, cols, wts, num_teacher=15, num_student=9)
+    assert proj.pieces.shape == (15, 3) and proj.pieces[3].tolist() == [-1, -1, -1]
+    got = _from_buckets(project_topk(ids, logq, tail, proj), 9)
+    torch.testing.assert_close(got, _dense_target(ids, logq, tail, proj, 9), rtol=1e-12, atol=1e-15)
+
+
+def test_row_with_no_mapped_token_puts_everything_in_tail():
+    ids, logq, tail = _random_targets(8, rows=2)
+    proj = VocabProjection.from_first_piece(torch.full((15,), -1), num_student=4)
+    b = project_topk(ids, logq, tail, proj)
+    assert not b.valid.any() and (b.ids == 0).all()
+    torch.testing.assert_close(b.logq_tail, torch.zeros(2, dtype=torch.float64), rtol=0, atol=1e-14)
+
+
+def test_identity_projection_is_exact():
+    ids, logq, tail = _random_targets(9)
+    b = project_topk(ids, logq, tail, VocabProjection.identity(15))
+    assert b.valid.all() and torch.equal(b.logq_tail, tail)
+    for m in range(ids.shape[0]):
+        want = dict(zip(ids[m].tolist(), logq[m].tolist()))
+        got = dict(zip(b.ids[m].tolist(), b.logq[m].tolist()))
+        assert got == want  # bit-exact: merging a single entry must not round
+
+
+def test_common_vocabulary_and_exact_only():
+    first = torch.tensor([2, 0, -1, 2, 3])
+    exact = torch.tensor([True, False, False, False, True])
+    proj = VocabProjection.from_first_piece(first, num_student=5, exact=exact)
+    assert proj.exact_only().first_piece.tolist() == [2, -1, -1, -1, 3]
+    assert proj.common_student().tolist() == [False, False, True, True, False]
+    with pytest.raises(UserError, match="exact"):
+        VocabProjection.from_first_piece(first, 5).exact_only()
