@@ -25,6 +25,7 @@ from crossdistill.losses.plan import (
     build_plan,
     ce_count,
     chunk_logl_s,
+    loss_metrics,
     student_rows_of_chunks,
 )
 from crossdistill.losses.reference import reference_loss
@@ -139,7 +140,7 @@ def student_loss(
     if backend == "reference":
         plan = build()
         loss, term_sums, logp_label, argmax, _ = reference_loss(hidden, lm_head_s, plan)
-        return loss, _metrics(plan, loss, term_sums, logp_label, argmax)
+        return loss, loss_metrics(plan, loss, term_sums, logp_label, argmax)
     if fused is None:
         fused = hidden.is_cuda and fused_available()
     if fused and not any(t.loss in SIGN_LOSSES for t in terms):
@@ -157,25 +158,4 @@ def student_loss(
     plan = source.get()
     if cl_sums is not None:
         term_sums = term_sums + cl_sums
-    return loss, _metrics(plan, loss, term_sums, logp_label, argmax)
-
-
-def _metrics(
-    plan: Plan, loss: Tensor, term_sums: Tensor, logp_label: Tensor, argmax: Tensor
-) -> dict[str, Tensor]:
-    out = {
-        "loss": loss.detach(),
-        "ce": (-logp_label * plan.ce_report).sum(),
-        "num_ce": plan.num_ce,
-    }
-    for i, term in enumerate(plan.terms):
-        name = term.name
-        out[f"kd/{name}"] = term_sums[i] * term.temperature**2
-        hit = (argmax == term.top1_s) & (term.top1_s >= 0)
-        out[f"top1/{name}"] = torch.where(hit, term.report_weight, 0.0).sum()
-        out[f"num_kd/{name}"] = term.count
-        done = term.complete_chunks
-        out[f"nll_s/{name}"] = -torch.where(done, chunk_logl_s(logp_label, term.chunks), 0.0).sum()
-        out[f"nll_t/{name}"] = -torch.where(done, term.logl_t, 0.0).sum()
-        out[f"num_chunks/{name}"] = done.sum()
-    return out
+    return loss, loss_metrics(plan, loss, term_sums, logp_label, argmax)

@@ -328,3 +328,33 @@ def student_rows_of_chunks(chunks: Tensor, valid: Tensor, num_rows: int) -> Tens
 def chunk_logl_s(logp_label: Tensor, chunks: Tensor) -> Tensor:
     """`[C]` float64 student log-likelihood of each chunk from per-row label log-probs `[N]`."""
     return _span_sums(logp_label, chunks[:, 0] - 1, chunks[:, 1] - 1)
+
+
+def loss_metrics(
+    plan: Plan,
+    loss: Tensor,
+    term_sums: Tensor,
+    logp_label: Tensor,
+    argmax: Tensor,
+    logp_chunks: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """The detached metrics of one student pass (see `student_loss`). `logp_chunks [N]`: the
+    label log-probs the chunk sums read (a row-sharded pass passes those of all rows; default
+    `logp_label`)."""
+    logp_chunks = logp_label if logp_chunks is None else logp_chunks
+    out = {
+        "loss": loss.detach(),
+        "ce": (-logp_label * plan.ce_report).sum(),
+        "num_ce": plan.num_ce,
+    }
+    for i, term in enumerate(plan.terms):
+        name = term.name
+        out[f"kd/{name}"] = term_sums[i] * term.temperature**2
+        hit = (argmax == term.top1_s) & (term.top1_s >= 0)
+        out[f"top1/{name}"] = torch.where(hit, term.report_weight, 0.0).sum()
+        out[f"num_kd/{name}"] = term.count
+        done = term.complete_chunks
+        out[f"nll_s/{name}"] = -torch.where(done, chunk_logl_s(logp_chunks, term.chunks), 0.0).sum()
+        out[f"nll_t/{name}"] = -torch.where(done, term.logl_t, 0.0).sum()
+        out[f"num_chunks/{name}"] = done.sum()
+    return out

@@ -24,7 +24,7 @@ from crossdistill.losses.chunked import (
     compute_dtype,
     logits,
 )
-from crossdistill.losses.plan import KDTerm, Plan, TermPlan, build_plan, chunk_logl_s
+from crossdistill.losses.plan import KDTerm, Plan, TermPlan, build_plan, chunk_logl_s, loss_metrics
 from crossdistill.losses.sharding import RowShard, VocabShard
 
 
@@ -159,27 +159,6 @@ def sharded_student_loss(
     )
     if cl_sums is not None:
         term_sums = term_sums + cl_sums
-    return loss, _metrics(local, loss, term_sums, logp_label, everywhere(logp_label), argmax)
-
-
-def _metrics(
-    plan: Plan, loss: Tensor, term_sums: Tensor, logp_label: Tensor, logp_all: Tensor, argmax
-) -> dict[str, Tensor]:
-    """As `objective._metrics`, over this rank's rows and chunks (`logp_all [N]`: label
-    log-probs of all rows, for the chunk sums)."""
-    out = {
-        "loss": loss.detach(),
-        "ce": (-logp_label * plan.ce_report).sum(),
-        "num_ce": plan.num_ce,
-    }
-    for i, term in enumerate(plan.terms):
-        name = term.name
-        out[f"kd/{name}"] = term_sums[i] * term.temperature**2
-        hit = (argmax == term.top1_s) & (term.top1_s >= 0)
-        out[f"top1/{name}"] = torch.where(hit, term.report_weight, 0.0).sum()
-        out[f"num_kd/{name}"] = term.count
-        done = term.complete_chunks
-        out[f"nll_s/{name}"] = -torch.where(done, chunk_logl_s(logp_all, term.chunks), 0.0).sum()
-        out[f"nll_t/{name}"] = -torch.where(done, term.logl_t, 0.0).sum()
-        out[f"num_chunks/{name}"] = done.sum()
-    return out
+    return loss, loss_metrics(
+        local, loss, term_sums, logp_label, argmax, logp_chunks=everywhere(logp_label)
+    )
