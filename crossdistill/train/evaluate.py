@@ -38,9 +38,8 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
     for s in c.slots:
         if s.teacher.offload:
             s.teacher.to(dev)
-    for i, batch in enumerate(c.val_loader):
-        if i >= cfg.train.eval_batches:
-            break
+    # exactly eval_batches on every rank (a rank that ran out early would hang the others)
+    for batch in c.val_loader.take(cfg.train.eval_batches):
         labels = batch.student.labels.to(dev).flatten()
         terms = []
         for k, slot in enumerate(c.slots):
