@@ -53,10 +53,14 @@ def label_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: i
     return out
 
 
-def _chunk_likelihood_coefs(plan: Plan, logp_label: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def chunk_likelihood_coefs(
+    plan: Plan, logp_label: Tensor, mine: list[Tensor] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Chunk-likelihood terms from a first pass over the label log-probs: the loss, per-term
     reported sums `[T]`, and the per-row coefficient that folds their gradient into the chunked
-    pass (each row of a chunk gets `−∂D/∂l_s` of its chunk, in the CE direction)."""
+    pass (each row of a chunk gets `−∂D/∂l_s` of its chunk, in the CE direction). `mine`: per
+    term, the chunks this rank owns (a row-sharded pass counts each chunk on one rank; the
+    coefficient still covers every chunk, since a row's chunk may be owned by another rank)."""
     n = logp_label.shape[0]
     coef = torch.zeros_like(logp_label)
     loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
@@ -70,10 +74,13 @@ def _chunk_likelihood_coefs(plan: Plan, logp_label: Tensor) -> tuple[Tensor, Ten
             (grad,) = torch.autograd.grad(value, logl_s)
         owner = student_rows_of_chunks(term.chunks, term.valid_chunks, n)
         coef -= torch.where(owner >= 0, grad[owner.clamp(min=0)], 0.0).to(coef.dtype)
-        loss += value.detach().to(loss.dtype)
-        sums[i] = div.chunk_likelihood(
-            term.logl_t, logl_s.detach(), term.chunk_report, term.temperature
-        )
+        logl = logl_s.detach()
+        weight, report = term.chunk_weight, term.chunk_report
+        if mine is not None:
+            weight = torch.where(mine[i], weight, 0.0)
+            report = torch.where(mine[i], report, 0.0)
+        loss += div.chunk_likelihood(term.logl_t, logl, weight, term.temperature).to(loss.dtype)
+        sums[i] = div.chunk_likelihood(term.logl_t, logl, report, term.temperature)
     return loss, sums, coef
 
 
@@ -150,7 +157,7 @@ def student_loss(
     if any(t.loss == "chunk_likelihood" for t in terms):
         plan = source.get()
         first = label_logprobs(hidden, lm_head_s, labels, chunk_size)
-        extra, cl_sums, cl_coef = _chunk_likelihood_coefs(plan, first)
+        extra, cl_sums, cl_coef = chunk_likelihood_coefs(plan, first)
         coef = plan.ce_weight + cl_coef
     loss, term_sums, logp_label, argmax = ChunkedStudentLoss.apply(
         hidden, lm_head_s, source, chunk_size, coef, extra, torch.is_grad_enabled(), fused, None

@@ -17,14 +17,14 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from crossdistill.losses import divergences as div
 from crossdistill.losses.chunked import (
     ChunkedStudentLoss,
     accumulate_dtype,
     compute_dtype,
     logits,
 )
-from crossdistill.losses.plan import KDTerm, Plan, TermPlan, build_plan, chunk_logl_s, loss_metrics
+from crossdistill.losses.objective import chunk_likelihood_coefs
+from crossdistill.losses.plan import KDTerm, Plan, TermPlan, build_plan, loss_metrics
 from crossdistill.losses.sharding import RowShard, VocabShard
 
 
@@ -92,34 +92,6 @@ def label_logprobs(
     return out
 
 
-def _chunk_likelihood(
-    plan: Plan, logp_label: Tensor, mine: list[Tensor]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Chunk-likelihood loss and reported sums over this rank's chunks, and the per-row
-    coefficient `[N]` from all chunks (a row's chunk may be owned by another rank)."""
-    from crossdistill.losses.plan import student_rows_of_chunks
-
-    n = logp_label.shape[0]
-    coef = torch.zeros_like(logp_label)
-    loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
-    sums = torch.zeros(len(plan.terms), dtype=logp_label.dtype, device=logp_label.device)
-    for i, term in enumerate(plan.terms):
-        if term.loss != "chunk_likelihood":
-            continue
-        logl_s = chunk_logl_s(logp_label, term.chunks).requires_grad_(True)
-        with torch.enable_grad():
-            value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)
-            (grad,) = torch.autograd.grad(value, logl_s)
-        owner = student_rows_of_chunks(term.chunks, term.valid_chunks, n)
-        coef -= torch.where(owner >= 0, grad[owner.clamp(min=0)], 0.0).to(coef.dtype)
-        logl = logl_s.detach()
-        weight = torch.where(mine[i], term.chunk_weight, 0.0)
-        report = torch.where(mine[i], term.chunk_report, 0.0)
-        loss += div.chunk_likelihood(term.logl_t, logl, weight, term.temperature).to(loss.dtype)
-        sums[i] = div.chunk_likelihood(term.logl_t, logl, report, term.temperature)
-    return loss, sums, coef
-
-
 def sharded_student_loss(
     hidden: Tensor,
     lm_head: Tensor,
@@ -152,7 +124,7 @@ def sharded_student_loss(
     coef, cl_sums = local.ce_weight, None
     if any(t.loss == "chunk_likelihood" for t in plan.terms):
         first = everywhere(label_logprobs(hidden, lm_head, local.labels, chunk_size, vocab))
-        extra, cl_sums, cl_coef = _chunk_likelihood(plan, first, mine)
+        extra, cl_sums, cl_coef = chunk_likelihood_coefs(plan, first, mine)
         coef = coef + (cl_coef if rows is None else cl_coef[rows.rows])
     loss, term_sums, logp_label, argmax = ChunkedStudentLoss.apply(
         hidden, lm_head, local, chunk_size, coef, extra, torch.is_grad_enabled(), False, vocab
