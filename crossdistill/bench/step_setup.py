@@ -184,7 +184,10 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
             hidden_s = final_hidden(
                 bench.student, batch.student.input_ids, batch.student.position_ids
             )
-        with timer("student_loss"), torch.autocast(dev.type, torch.bfloat16, enabled=bench.settings.autocast):
+        with (
+            timer("student_loss"),
+            torch.autocast(dev.type, torch.bfloat16, enabled=bench.settings.autocast),
+        ):
             loss, _ = student_loss(
                 hidden_s.flatten(0, 1),
                 bench.student.get_output_embeddings().weight,
