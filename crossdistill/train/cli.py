@@ -14,7 +14,7 @@ TRAIN_EXAMPLES = """examples:
 """
 
 DEMO_EXAMPLES = """examples:
-  crossdistill demo                      # writes runs/demo (about 4 minutes on 2 CPU cores)
+  crossdistill demo                      # writes runs/demo (about 3 minutes on 2 CPU cores)
   crossdistill demo --out /tmp/demo --seed 1
 """
 
