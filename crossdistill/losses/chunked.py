@@ -355,3 +355,26 @@ class ChunkedStudentLoss(torch.autograd.Function):
             torch._foreach_mul_([grad_w.data], factor.to(grad_w.dtype))
             ctx.applied = grad_loss
         return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+@torch.no_grad()
+def label_logprobs(
+    hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int, vocab: VocabShard | None = None
+) -> Tensor:
+    """`[n]` log-prob of each row's label (0 where unlabeled), chunked, without gradient; over
+    this rank's vocabulary shard when `vocab` is given."""
+    dtype = compute_dtype(hidden, weight)
+    acc = accumulate_dtype(dtype)
+    out = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
+    with torch.autocast(hidden.device.type, enabled=False):
+        h_c, w_c = hidden.to(dtype), weight.to(dtype)
+        for r0 in range(0, hidden.shape[0], chunk_size):
+            sl = slice(r0, min(r0 + chunk_size, hidden.shape[0]))
+            z = logits(h_c[sl], w_c, acc)
+            lab = labels[sl].clamp(min=0).unsqueeze(1)
+            if vocab is None:
+                picked, lse = z.gather(1, lab).squeeze(1), torch.logsumexp(z, 1)
+            else:
+                picked, lse = vocab.gather(z, lab).squeeze(1), vocab.logsumexp(z)
+            out[sl] = torch.where(labels[sl] >= 0, picked - lse, 0.0)
+    return out

@@ -16,7 +16,7 @@ from crossdistill.losses.chunked import (
     LazyPlan,
     accumulate_dtype,
     compute_dtype,
-    logits,
+    label_logprobs,
 )
 from crossdistill.losses.fused import available as fused_available
 from crossdistill.losses.plan import (
@@ -34,23 +34,6 @@ from crossdistill.losses.sharding import RowShard, VocabShard
 # Losses whose gradient has a sign(q − p) factor: where the two probabilities are close, the
 # rounding of bf16 logits flips it, so the fused pass keeps float32 logits for them.
 SIGN_LOSSES = ("tvd", "uld", "gold")
-
-
-@torch.no_grad()
-def label_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_size: int) -> Tensor:
-    """`[N]` log-prob of each row's label (0 where unlabeled), chunked, without gradient."""
-    dtype = compute_dtype(hidden, weight)
-    acc = accumulate_dtype(dtype)
-    out = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
-    with torch.autocast(hidden.device.type, enabled=False):
-        h_c, w_c = hidden.to(dtype), weight.to(dtype)
-        for r0 in range(0, hidden.shape[0], chunk_size):
-            sl = slice(r0, min(r0 + chunk_size, hidden.shape[0]))
-            z = logits(h_c[sl], w_c, acc)
-            lab = labels[sl]
-            picked = z.gather(1, lab.clamp(min=0).unsqueeze(1)).squeeze(1)
-            out[sl] = torch.where(lab >= 0, picked - torch.logsumexp(z, 1), 0.0)
-    return out
 
 
 def chunk_likelihood_coefs(
