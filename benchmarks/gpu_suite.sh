@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite, one call: device ceilings, the loss benchmark, and the full step
-# benchmark for the two shipped teacher/student setups, each beside its naive baseline.
+# The GPU benchmark suite: GPU tests, device ceilings, the loss benchmark, and the full step
+# benchmark for the shipped teacher/student setups, each beside its naive baseline.
 # Usage (on a CUDA machine, from the repository root):
-#   TOK=/path/to/tokenizers OUT=/path/to/results bash benchmarks/gpu_suite.sh
+#   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="tests step2048"] bash benchmarks/gpu_suite.sh
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
+# Stages (all by default; ONLY picks some, each fits one 10-minute call):
+#   tests ceilings loss step2048 multi step4096
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -11,12 +13,30 @@ TOK=${TOK:?set TOK to the tokenizers folder}
 mkdir -p "$OUT"
 stamp=$(date -u +%Y%m%d)
 py=python3
-$py benchmarks/device_ceilings.py | tee "$OUT/ceilings-$stamp.json"
-$py -m crossdistill bench loss --device cuda --json | tee "$OUT/loss-$stamp.json"
-$py -m crossdistill bench step --json --baseline naive --seq-len 2048 --micro-batch 4 \
-    --student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf" \
-    --teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf" | tee "$OUT/step-qwen3-4b-llama-1b-2048-$stamp.json"
-$py -m crossdistill bench step --json --baseline naive --seq-len 2048 --micro-batch 4 \
-    --student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf" \
-    --teacher phi-4-mini --teacher-tokenizer "$TOK/phi-4-mini/hf" \
-    --teacher llama-3.2-3b --teacher-tokenizer "$TOK/llama3/hf" | tee "$OUT/step-phi4mini-llama3b-llama-1b-2048-$stamp.json"
+stage() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
+step() {  # name, then bench step arguments
+    local name=$1; shift
+    $py -m crossdistill bench step --json "$@" | tee "$OUT/step-$name-$stamp.json"
+}
+if stage tests; then
+    $py -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_attention.py \
+        tests/unit/test_losses_gpu.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
+fi
+stage ceilings && $py benchmarks/device_ceilings.py | tee "$OUT/ceilings-$stamp.json"
+if stage loss; then
+    for c in 2048 3072 4096; do
+        $py -m crossdistill bench loss --device cuda --json --repeats 7 --chunk-size $c \
+            $([[ $c == 3072 ]] && echo --profile) | tee "$OUT/loss-chunk$c-$stamp.json"
+    done
+fi
+S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
+Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
+P=(--teacher phi-4-mini --teacher-tokenizer "$TOK/phi-4-mini/hf"
+   --teacher llama-3.2-3b --teacher-tokenizer "$TOK/llama3/hf")
+stage step2048 && step qwen3-4b-llama-1b-2048 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
+    --steps 8 --warmup 3 --baseline naive --ablate sdpa --profile
+stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len 2048 \
+    --micro-batch 4 --steps 8 --warmup 3 --baseline naive --ablate sdpa
+stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
+    --steps 8 --warmup 3 --baseline naive
+exit 0

@@ -49,7 +49,9 @@ class ModelConfig:
     arch: str | None = None
     tokenizer: str | None = None  # folder, HF id or tiktoken file; defaults to `path`
     dtype: str = "bfloat16"
-    attn_implementation: str = "sdpa"
+    # auto (= varlen: flash varlen over packed documents on CUDA, masked SDPA elsewhere),
+    # or a transformers implementation name: sdpa, eager, flex_attention, flash_attention_2
+    attn_implementation: str = "auto"
     # HF config fields to change, e.g. {num_hidden_layers: 4}
     overrides: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -21,6 +21,9 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+ABLATIONS = {
+    "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
+}
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
   crossdistill bench step --teacher qwen3-4b --teacher-tokenizer $TOK/qwen3/hf \\
@@ -52,6 +55,17 @@ def add_parser(subparsers) -> None:
     p.add_argument("--loss", default="forward_kl")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--baseline", choices=["none", "naive"], default="none")
+    p.add_argument(
+        "--ablate",
+        action="append",
+        default=[],
+        choices=sorted(ABLATIONS),
+        help="also time the step with one optimisation undone (repeatable): "
+        + "; ".join(f"{k}: {v}" for k, v in sorted(ABLATIONS.items())),
+    )
+    p.add_argument(
+        "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--tiny", action="store_true", help="override shapes to a few layers (CPU smoke)"
@@ -122,7 +136,14 @@ def _matmul_tflops(device) -> float | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from crossdistill.bench.step_setup import build_bench, naive_step, profiled_step, timed_steps
+    from crossdistill.bench.step_setup import (
+        ablated_steps,
+        build_bench,
+        naive_step,
+        profile_real_step,
+        profiled_step,
+        timed_steps,
+    )
 
     if len(args.teacher) != len(args.teacher_tokenizer):
         from crossdistill.errors import UserError
@@ -131,6 +152,10 @@ def run(args: argparse.Namespace) -> int:
     bench = build_bench(args)
     result = timed_steps(bench, args)
     result.update(profiled_step(bench, args))
+    if args.profile:
+        result["profile"] = profile_real_step(bench)
+    for name in args.ablate:
+        result.update(ablated_steps(bench, args, name))
     if args.baseline == "naive":
         result.update(naive_step(bench, args))
     result["matmul_tflops_measured"] = _matmul_tflops(bench.device)
@@ -197,7 +222,14 @@ def _print_table(result: dict) -> None:
         if k in result and result[k] is not None:
             v = result[k]
             print(f"{k:30s} {v:.4g}" if isinstance(v, float) else f"{k:30s} {v}")
+    for k, v in sorted(result.items()):
+        if k.startswith("ablate/"):
+            print(f"{k:30s} {v:.4g}")
     print("time split (ms per step):")
     for k, v in sorted(result.items()):
         if k.startswith("ms/"):
             print(f"  {k[3:]:28s} {v:8.1f}")
+    if "profile" in result:
+        from crossdistill.bench.profile import format_profile
+
+        print(format_profile(result["profile"]))

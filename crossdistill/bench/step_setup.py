@@ -15,6 +15,7 @@ import torch
 from crossdistill.config import DataConfig, OptimConfig, TeacherConfig
 from crossdistill.losses import kd_count, student_loss
 from crossdistill.models import Teacher, build_causal_lm, load_tokenizer
+from crossdistill.models.attention import segments_of, set_attention
 from crossdistill.models.forward import final_hidden
 from crossdistill.train.optim import build_optimizer
 from crossdistill.train.step import StepSettings, TeacherSlot, make_term, train_step
@@ -148,6 +149,34 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     return out
 
 
+def profile_real_step(bench: Bench, steps: int = 2) -> dict:
+    """`torch.profiler` over real steps (see `crossdistill.bench.profile`)."""
+    from crossdistill.bench.profile import profile_steps
+
+    dev = bench.device
+    return profile_steps(
+        lambda: _one_step(bench, next(bench.loader).to(dev, non_blocking=True)),
+        steps,
+        dev.type == "cuda",
+    )
+
+
+def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
+    """The real step timed again with one optimisation undone (`ABLATIONS` in `bench.step`)."""
+    models = [bench.student] + [s.teacher.model for s in bench.slots]
+    if name == "sdpa":
+        for model in models:
+            set_attention(model, "sdpa")
+        try:
+            out = timed_steps(bench, args)
+        finally:
+            for model in models:
+                set_attention(model, "varlen")
+    else:
+        raise ValueError(f"unknown ablation {name!r}")
+    return {f"ablate/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
+
+
 def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
     """The same work as a step, phase by phase with a device sync between phases (slower than
     the real step; used for the split only)."""
@@ -163,7 +192,9 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
         for k, slot in enumerate(bench.slots):
             tb = batch.teachers[k]
             with timer(f"teacher_body/{slot.cfg.name}"), torch.no_grad():
-                hidden = slot.teacher.hidden_states(tb.input_ids, tb.position_ids)
+                hidden = slot.teacher.hidden_states(
+                    tb.input_ids, tb.position_ids, segments_of(tb, dev)
+                )
             with timer(f"teacher_targets/{slot.cfg.name}"):
                 targets = teacher_targets(
                     hidden.flatten(0, 1),
@@ -182,7 +213,10 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
             torch.autocast(dev.type, torch.bfloat16, enabled=bench.settings.autocast),
         ):
             hidden_s = final_hidden(
-                bench.student, batch.student.input_ids, batch.student.position_ids
+                bench.student,
+                batch.student.input_ids,
+                batch.student.position_ids,
+                segments_of(batch.student, dev),
             )
         with (
             timer("student_loss"),
@@ -213,12 +247,16 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
 
 def naive_step(bench: Bench, args) -> dict[str, float]:
     """What a user writes without this library, same models, same student batch: full logits,
-    fp32 log-softmax, forward KL over the shared leading vocabulary ids (no alignment), CE."""
+    fp32 log-softmax, forward KL over the shared leading vocabulary ids (no alignment), CE,
+    transformers' SDPA attention (packed documents through position ids). Runs last: it drops
+    our optimizer and switches the models' attention."""
     import torch.nn.functional as F
 
     dev = bench.device
     bench.optimizer.zero_grad(set_to_none=True)
     bench.optimizer = None  # free our optimizer state: the baseline brings its own
+    for model in [bench.student] + [s.teacher.model for s in bench.slots]:
+        set_attention(model, "sdpa")  # transformers' default: the block mask from positions
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")

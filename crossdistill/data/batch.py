@@ -1,11 +1,10 @@
 """The batch the trainer consumes, and the collation of packed rows into it.
 
-Attention across packed documents: each row holds several documents, told apart by `doc_ids`.
-The model path builds a block-diagonal causal mask with `block_causal_mask(doc_ids)` and passes
-it as the 4-D boolean `attention_mask` of SDPA (`attn_implementation="sdpa"`), which every HF
-decoder family here (Llama, Qwen2/3, Phi-3, Mistral) accepts on CPU and GPU; `position_ids`
-restart at 0 for every document so rotary positions match an unpacked run. Varlen flash
-attention could use the same `doc_ids` (cumulative lengths), but needs CUDA and a flash build.
+Attention across packed documents: each row holds several documents, told apart by `doc_ids`;
+`position_ids` restart at 0 for every document so rotary positions match an unpacked run. The
+collator also gives each side its attention segments (`cu_seqlens`, `max_seqlen`), computed here
+on the host, which varlen attention takes instead of a mask (`crossdistill.models.attention`);
+`block_causal_mask(doc_ids)` is the equivalent `[B, 1, T, T]` mask for SDPA.
 """
 
 from __future__ import annotations
@@ -35,6 +34,10 @@ class StudentBatch:
         bits per byte.
     num_target_tokens / num_target_bytes: the totals of `labels != -100` and `target_bytes`
         as Python ints (no device sync needed to count).
+    cu_seqlens: [S + 1] int32 start of each attention segment (a run of one `doc_ids` value
+        within a row) in the flattened `[B·T_s]`, then `B·T_s`; `max_seqlen` the longest, as a
+        Python int. What varlen attention takes instead of a mask
+        (`crossdistill.models.attention`); None for batches built by hand.
     """
 
     input_ids: torch.Tensor
@@ -44,6 +47,8 @@ class StudentBatch:
     target_bytes: torch.Tensor
     num_target_tokens: int
     num_target_bytes: int
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
 
 @dataclass
@@ -64,6 +69,7 @@ class TeacherBatch:
         `labels_s != -100` shifted by one: the ordinary same-tokenizer positions.
     num_kd: `kd_valid.sum()` as a Python int.
     same_as_student: True when this teacher reuses the student's tensors.
+    cu_seqlens / max_seqlen: the teacher's attention segments, as for the student.
     """
 
     input_ids: torch.Tensor
@@ -74,6 +80,8 @@ class TeacherBatch:
     kd_valid: torch.Tensor
     num_kd: int
     same_as_student: bool
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
 
 
 @dataclass
@@ -148,6 +156,16 @@ def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
     return (same & causal)[:, None]
+
+
+def segments_from_docs(doc_ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """`[B, T]` document ids (-1 on padding) -> (`cu_seqlens [S + 1]` int32 over the flattened
+    batch, longest segment). A segment is a run of equal ids within a row (padding is one run)."""
+    b, t = doc_ids.shape
+    starts = np.ones((b, t), dtype=bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    cu = np.append(np.flatnonzero(starts.reshape(-1)), b * t).astype(np.int32)
+    return cu, int(np.diff(cu).max()) if cu.size > 1 else 0
 
 
 def shifted_labels(ids: np.ndarray, target: np.ndarray, doc: np.ndarray) -> np.ndarray:

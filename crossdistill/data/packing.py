@@ -24,6 +24,7 @@ from crossdistill.data.batch import (
     TeacherBatch,
     identity_chunks,
     pack_tensors,
+    segments_from_docs,
     shifted_labels,
 )
 from crossdistill.data.units import Unit
@@ -106,21 +107,36 @@ def collate(
             teachers[k] = _cross_teacher(rows, k, batch_size, seq_len, pad_multiple, pads_t[k])
             teachers[k][-1] &= _has_kd_position(teachers[k][-2], doc, labels, teachers[k][3])
     # one buffer for the whole batch (see `pack_tensors`)
-    tensors = iter(pack_tensors(student + [a for arrays in teachers.values() for a in arrays]))
+    # attention segments (documents) of each side, for varlen attention
+    segs = {-1: segments_from_docs(doc)}
+    for k, arrays in teachers.items():
+        segs.setdefault(k, segments_from_docs(arrays[3]) if k >= 0 else segs[-1])
+    cross = [k for k in teachers if k >= 0]
+    arrays_all = student + [segs[-1][0]]
+    arrays_all += [a for arrays in teachers.values() for a in arrays] + [segs[k][0] for k in cross]
+    tensors = iter(pack_tensors(arrays_all))
     s_t = [next(tensors) for _ in student]
+    cu_s = next(tensors)
     student_batch = StudentBatch(
         *s_t,
         num_target_tokens=int((labels != IGNORE).sum()),
         num_target_bytes=int(target_bytes.sum()),
+        cu_seqlens=cu_s,
+        max_seqlen=segs[-1][1],
     )
     built = {}
     for k, arrays in teachers.items():
         t = [next(tensors) for _ in arrays]
         kd = arrays[-1]
         if k < 0:
-            built[k] = TeacherBatch(*s_t[:4], t[0], t[1], int(kd.sum()), same_as_student=True)
+            built[k] = TeacherBatch(
+                *s_t[:4], t[0], t[1], int(kd.sum()), same_as_student=True, cu_seqlens=cu_s,
+                max_seqlen=segs[-1][1],
+            )  # fmt: skip
         else:
             built[k] = TeacherBatch(*t, num_kd=int(kd.sum()), same_as_student=False)
+    for k in cross:
+        built[k].cu_seqlens, built[k].max_seqlen = next(tensors), segs[k][1]
     return Batch(student=student_batch, teachers=[built[k] for k in slots])
 
 

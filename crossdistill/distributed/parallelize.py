@@ -16,6 +16,7 @@ from torch import nn
 
 from crossdistill.distributed.layout import ParallelLayout
 from crossdistill.distributed.tp_plans import family_plan, fused_params
+from crossdistill.models.attention import set_attention
 from crossdistill.models.forward import decoder_of, final_hidden
 
 HIDDEN_METHOD = "forward_hidden"
@@ -72,16 +73,6 @@ def _localize_heads(attn: nn.Module, tp: int) -> None:
     attn.config = local
     if hasattr(attn, "num_key_value_heads"):
         attn.num_key_value_heads //= tp
-
-
-def set_attention(model: nn.Module, implementation: str) -> None:
-    """Switch every (possibly per-module) config of the model to an attention implementation."""
-    seen: set[int] = set()
-    for module in model.modules():
-        cfg = getattr(module, "config", None)
-        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
-            seen.add(id(cfg))
-            cfg._attn_implementation = implementation
 
 
 def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
@@ -143,18 +134,24 @@ def apply_fsdp(
             module.set_force_sum_reduction_for_comms(True)
 
 
-def _forward_hidden(self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None):
-    return final_hidden(self, input_ids, position_ids)
+def _forward_hidden(
+    self: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None, segments=None
+):
+    return final_hidden(self, input_ids, position_ids, segments)
 
 
 def model_hidden(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segments: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """`[B, T] -> [B, T, H]` final hidden states, through FSDP's registered method if any."""
+    """`[B, T] -> [B, T, H]` final hidden states, through FSDP's registered method if any;
+    `segments` as for `final_hidden`."""
     method = getattr(model, HIDDEN_METHOD, None)
     if method is not None:
-        return method(input_ids, position_ids)
-    return final_hidden(model, input_ids, position_ids)
+        return method(input_ids, position_ids, segments)
+    return final_hidden(model, input_ids, position_ids, segments)
 
 
 def fsdp_mesh(layout: ParallelLayout, mesh: Any, trainable: bool) -> Any:

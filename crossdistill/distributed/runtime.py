@@ -22,6 +22,7 @@ from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import TeacherTargets, kd_positions, teacher_targets
 from crossdistill.losses.sharding import RowShard
+from crossdistill.models.attention import segments_of
 
 _MESHES: dict[tuple[int, ...], Any] = {}
 
@@ -81,7 +82,10 @@ class Parallel:
         labels = tb.labels.to(self.device)
         _, kd_rows = kd_positions(tb.chunks.to(self.device))
         if len(set(owners)) == 1:
-            return self._run_teacher(slot, k, ids, pos, labels.flatten(), kd_rows, chunk_size)
+            segments = segments_of(tb, self.device)
+            return self._run_teacher(
+                slot, k, ids, pos, labels.flatten(), kd_rows, chunk_size, segments
+            )
         joint = _gather_inputs(ids, pos, labels, kd_rows, group, owners)
         targets = self._run_teacher(
             slot, k, joint.ids, joint.pos, joint.labels.flatten(), joint.kd_rows, chunk_size
@@ -89,7 +93,11 @@ class Parallel:
         return joint.mine(targets, ids.shape)
 
     @torch.no_grad()
-    def _run_teacher(self, slot, k, ids, pos, labels, kd_rows, chunk_size) -> TeacherTargets:
+    def _run_teacher(
+        self, slot, k, ids, pos, labels, kd_rows, chunk_size, segments=None
+    ) -> TeacherTargets:
+        """`segments`: the rows' attention segments when they are this rank's own batch (rows
+        gathered from several ranks derive theirs from the positions)."""
         placed = self.teachers[k]
         model = slot.teacher.model
         state = getattr(model, "cp_state", None)
@@ -98,7 +106,7 @@ class Parallel:
             hidden = model_hidden(model, cpmod.shard_rows(ids, state.size, state.rank), local_pos)
             hidden = cpmod.gather_hidden(hidden, state)
         else:
-            hidden = model_hidden(model, ids, pos)
+            hidden = model_hidden(model, ids, pos, segments)
         weight, vocab = local_vocab(slot.teacher.lm_head_weight, placed.group("tp"))
         out = teacher_targets(
             hidden.flatten(0, 1),
@@ -120,7 +128,8 @@ class Parallel:
         ids, pos = sb.input_ids.to(self.device), sb.position_ids.to(self.device)
         state = getattr(student, "cp_state", None)
         if state is None:
-            return model_hidden(student, ids, pos).flatten(0, 1), None
+            segments = segments_of(sb, self.device)
+            return model_hidden(student, ids, pos, segments).flatten(0, 1), None
         batch, length = ids.shape
         local_pos = state.begin(pos)
         hidden = model_hidden(student, cpmod.shard_rows(ids, state.size, state.rank), local_pos)

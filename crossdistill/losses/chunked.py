@@ -45,6 +45,45 @@ def logits(hidden: Tensor, weight: Tensor, acc: torch.dtype) -> Tensor:
     return (hidden @ weight.t()).to(acc)
 
 
+def chunk_slices(n: int, chunk_size: int, multiple: int = 128) -> list[slice]:
+    """Row slices of at most `chunk_size` rows, as few as that allows and of near-equal size
+    (rounded up to `multiple` rows where that stays within `chunk_size`): 8192 rows at 3072
+    give 2816 + 2816 + 2560, not 3072 + 3072 + 2048, so the largest block, which sets the
+    peak memory, is as small as the number of chunks allows."""
+    if n <= 0:
+        return []
+    count = -(-n // chunk_size)
+    size = -(-n // count)
+    rounded = -(-size // multiple) * multiple
+    size = rounded if rounded <= chunk_size else size
+    return [slice(r0, min(r0 + size, n)) for r0 in range(0, n, size)]
+
+
+def accumulate_mm(acc: Tensor | None, a: Tensor, b: Tensor, dtype: torch.dtype) -> Tensor:
+    """`acc + a @ b` in `dtype` (a new product when `acc` is None), the product itself in the
+    operands' dtype. With bf16 operands and a float32 accumulator (a float32 master weight's
+    gradient) the matmul stays a bf16 one: on CUDA, cuBLAS adds into the float32 buffer directly
+    (`addmm(..., out_dtype=)`); elsewhere, a product in the operands' dtype is added."""
+    if a.dtype == dtype:
+        return a @ b if acc is None else acc.addmm_(a, b)
+    if a.is_cuda and _OUT_DTYPE_MM.get("addmm", True):
+        try:
+            out = (
+                torch.mm(a, b, out_dtype=dtype)
+                if acc is None
+                else torch.addmm(acc, a, b, out_dtype=dtype, out=acc)
+            )
+            _OUT_DTYPE_MM["addmm"] = True
+            return out
+        except (RuntimeError, TypeError):
+            _OUT_DTYPE_MM["addmm"] = False
+    if a.device.type == "cpu":  # no fast half-precision matmul there: the float32 product
+        a, b = a.to(dtype), b.to(dtype)
+        return a @ b if acc is None else acc.addmm_(a, b)
+    prod = a @ b
+    return prod.to(dtype) if acc is None else acc.add_(prod)
+
+
 def _tail_mass(
     e: Tensor, ids: Tensor, valid: Tensor | None, shard: VocabShard | None = None
 ) -> tuple[Tensor, Tensor]:
@@ -262,8 +301,7 @@ def run_chunks(
     logp_label = torch.empty(n, dtype=acc, device=hidden.device)
     argmax = torch.empty(n, dtype=torch.long, device=hidden.device)
     term_sums = None
-    for r0 in range(0, n, chunk_size):
-        sl = slice(r0, min(r0 + chunk_size, n))
+    for sl in chunk_slices(n, chunk_size):
         # the fused kernels read the logits in the matmul dtype and upcast as they go
         z = h_c[sl] @ w_c.t() if fused == "low" else logits(h_c[sl], w_c, acc)
         if term_sums is None:
@@ -282,12 +320,12 @@ def run_chunks(
             continue
         g_c = grad.to(dtype)
         if grad_h is not None:
-            grad_h[sl] = g_c @ w_c
+            if grad_h.dtype == g_c.dtype:
+                torch.mm(g_c, w_c, out=grad_h[sl])  # no [c, H] temporary
+            else:
+                grad_h[sl] = g_c @ w_c
         if need_grad_w:
-            # low-precision matmuls with a float32 master weight accumulate in float32
-            g_w, h_w = (g_c, h_c[sl]) if w_acc == dtype else (grad.to(w_acc), h_c[sl].to(w_acc))
-            grad_w = g_w.t() @ h_w if grad_w is None else grad_w.addmm_(g_w.t(), h_w)
-            del g_w  # an alias of this chunk's gradient block
+            grad_w = accumulate_mm(grad_w, g_c.t(), h_c[sl], w_acc)
         del grad, g_c, z
     if term_sums is None:  # no rows at all
         plan = plan.get() if isinstance(plan, LazyPlan) else plan
@@ -368,8 +406,7 @@ def label_logprobs(
     out = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         h_c, w_c = hidden.to(dtype), weight.to(dtype)
-        for r0 in range(0, hidden.shape[0], chunk_size):
-            sl = slice(r0, min(r0 + chunk_size, hidden.shape[0]))
+        for sl in chunk_slices(hidden.shape[0], chunk_size):
             z = logits(h_c[sl], w_c, acc)
             lab = labels[sl].clamp(min=0).unsqueeze(1)
             if vocab is None:

@@ -82,7 +82,7 @@ def _kernels():
                 word = tl.load(
                     mask_ptr + p * stride_mp + row * stride_mr + cols // 32, mask=inside, other=0
                 )
-                hit = ((word >> (cols % 32).to(tl.int64)) & 1) != 0
+                hit = ((word >> (cols % 32).to(tl.int32)) & 1) != 0
                 e_p = tl.sum(tl.where(t_idx[:, None] == tl.load(mask_tau_ptr + p), e, 0.0), 0)
                 add = tl.sum(tl.where(hit | (~inside), 0.0, e_p), 0)
                 scale_p = tl.sum(tl.where(t_idx == tl.load(mask_tau_ptr + p), rescale, 0.0), 0)
@@ -131,10 +131,11 @@ def _pow2(n: int) -> int:
 
 
 def bucket_bits(ids: Tensor, valid: Tensor | None, vocab: int) -> Tensor:
-    """`[c, ⌈V/32⌉]` int64 words with bit `id % 32` of word `id // 32` set for each valid bucket
-    id of the row (32 bits per word, so sums of distinct bits never overflow)."""
-    words = torch.zeros(ids.shape[0], (vocab + 31) // 32, dtype=torch.int64, device=ids.device)
-    bits = torch.bitwise_left_shift(torch.ones_like(ids), ids % 32)
+    """`[c, ⌈V/32⌉]` int32 words with bit `id % 32` of word `id // 32` set for each valid bucket
+    id of the row. Bit 31 is the sign bit: sums of distinct bits wrap to exactly the OR of them
+    (two's complement, no carries), and reading a bit back with `(w >> b) & 1` is exact."""
+    words = torch.zeros(ids.shape[0], (vocab + 31) // 32, dtype=torch.int32, device=ids.device)
+    bits = torch.bitwise_left_shift(torch.ones_like(ids, dtype=torch.int32), (ids % 32).int())
     if valid is not None:
         bits = torch.where(valid, bits, 0)
     return words.scatter_add_(1, ids // 32, bits)
@@ -155,7 +156,7 @@ def row_stats(
     elif masks:
         mask = torch.stack(masks)
     else:
-        mask = torch.zeros(1, c, 1, dtype=torch.int64, device=dev)
+        mask = torch.zeros(1, c, 1, dtype=torch.int32, device=dev)
     mtau = _small(mask_tau or [0], torch.int32, dev)
     parts = triton.cdiv(vocab, SPAN)
     span = triton.cdiv(triton.cdiv(vocab, parts), BLOCK_STATS) * BLOCK_STATS

@@ -1,10 +1,11 @@
 """Forward passes that return final hidden states (the lm_head and the loss run chunked
 elsewhere), with packed documents kept apart.
 
-Packed sequences carry `position_ids` that restart at 0 for each document. transformers (>= 4.53)
-turns such position ids, given with `attention_mask=None`, into a block-diagonal causal mask for
-SDPA, eager and FlexAttention, and into varlen calls for flash-attention: attention never crosses a
-document. `tests/unit/test_models.py` checks that a document packed behind another gives the same
+Packed sequences carry `position_ids` that restart at 0 for each document. With the default
+varlen attention (`crossdistill.models.attention`) each document is its own segment of a flash
+varlen call; with transformers' own implementations (>= 4.53), such position ids given with
+`attention_mask=None` become a block-diagonal causal mask (SDPA, eager, FlexAttention) or varlen
+calls (flash-attention): attention never crosses a document. `tests/unit/test_models.py` checks that a document packed behind another gives the same
 hidden states as the document alone.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from crossdistill.models.attention import VARLEN, segment_kwargs
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -22,9 +25,18 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 
 def final_hidden(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor | None
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    segments: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
     """`[B, T] -> [B, T, H]`: hidden states after the final norm, documents kept apart by
-    `position_ids` (see module doc)."""
-    out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+    `position_ids` (see module doc). `segments`: the batch's `(cu_seqlens, max_seqlen)` from the
+    collator, which varlen attention uses instead of deriving them (a host sync)."""
+    varlen = getattr(model.config, "_attn_implementation", None) == VARLEN
+    use = varlen and segments is not None and segments[0] is not None
+    extra = segment_kwargs(*segments) if use else {}
+    out = decoder_of(model)(
+        input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
+    )
     return out.last_hidden_state

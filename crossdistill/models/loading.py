@@ -90,7 +90,7 @@ def build_causal_lm(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
     overrides: dict[str, Any] | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
     seed: int | None = None,
 ) -> nn.Module:
     """A causal LM from a checkpoint folder (`path`) or an architecture (`arch`, random init)."""
@@ -111,13 +111,15 @@ def build_meta_model(
     *,
     dtype: torch.dtype,
     overrides: dict[str, Any] | None = None,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str = "auto",
 ) -> nn.Module:
     """The model's modules with parameters on the meta device: no memory, no init."""
     from transformers import AutoModelForCausalLM
 
+    from crossdistill.models.attention import resolve_attention
+
     config = resolve_hf_config(path, arch, overrides)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = resolve_attention(attn_implementation)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, **{_DTYPE_KWARG: dtype})

@@ -44,6 +44,8 @@ class Teacher:
         self,
         input_ids: torch.Tensor,
         position_ids: torch.Tensor | None = None,
+        segments: tuple[torch.Tensor, int] | None = None,
     ) -> torch.Tensor:
-        """Final-layer hidden states `[B, T_t, H]` (after the last norm), without the lm_head."""
-        return final_hidden(self.model, input_ids, position_ids)
+        """Final-layer hidden states `[B, T_t, H]` (after the last norm), without the lm_head;
+        `segments` as for `final_hidden`."""
+        return final_hidden(self.model, input_ids, position_ids, segments)

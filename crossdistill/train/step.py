@@ -34,6 +34,7 @@ from crossdistill.losses import (
     student_loss,
     teacher_targets,
 )
+from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import final_hidden
 from crossdistill.models.teacher import Teacher
 
@@ -67,7 +68,7 @@ def _to(x: Tensor, device: torch.device) -> Tensor:
 def run_teacher(slot: TeacherSlot, tb, chunk_size: int, device: torch.device) -> TeacherTargets:
     """Teacher forward on one micro-batch -> its sparse targets (top-k at KD positions)."""
     ids, pos = _to(tb.input_ids, device), _to(tb.position_ids, device)
-    hidden = slot.teacher.hidden_states(ids, pos)  # [B, T_t, H_t]
+    hidden = slot.teacher.hidden_states(ids, pos, segments_of(tb, device))  # [B, T_t, H_t]
     chunks = _to(tb.chunks, device)
     _, kd_rows_t = kd_positions(chunks)
     return teacher_targets(
@@ -170,7 +171,10 @@ class SingleProcess:
 
     def student_hidden(self, student: nn.Module, sb: Any) -> tuple[Tensor, None]:
         hidden = final_hidden(
-            student, _to(sb.input_ids, self.device), _to(sb.position_ids, self.device)
+            student,
+            _to(sb.input_ids, self.device),
+            _to(sb.position_ids, self.device),
+            segments_of(sb, self.device),
         )
         return hidden.flatten(0, 1), None
 

@@ -38,11 +38,17 @@ def tokenizer_spec(model: ModelConfig, label: str) -> str:
 
 
 def resolve_model(model: ModelConfig, label: str) -> ResolvedModel:
+    from crossdistill.models.attention import ATTENTION_CHOICES
     from crossdistill.models.loading import parse_dtype, resolve_hf_config
 
     if (model.path is None) == (model.arch is None):
         raise UserError(f"{label}: set exactly one of {label}.path (checkpoint) or {label}.arch")
     parse_dtype(model.dtype)
+    if model.attn_implementation not in ATTENTION_CHOICES:
+        raise UserError(
+            f"{label}.attn_implementation: unknown {model.attn_implementation!r}; "
+            f"choose one of {', '.join(ATTENTION_CHOICES)}"
+        )
     hf_config = resolve_hf_config(model.path, model.arch, model.overrides)
     return ResolvedModel(hf_config, tokenizer_spec(model, label), label)
 

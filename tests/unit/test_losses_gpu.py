@@ -42,6 +42,42 @@ def test_cuda_bf16_matches_float64(loss, fused):
     assert rel(h.grad.double().cpu(), gh) < 1e-2 and rel(w.grad.double().cpu(), gw) < 1e-2
 
 
+def test_float32_master_weight_under_autocast_matches_float64():
+    """The training setup: a float32 lm_head under bf16 autocast. The weight gradient is a bf16
+    matmul accumulated into float32 (`accumulate_mm`), never a float32 matmul."""
+    hidden, weight, labels, terms = terms_for(
+        "forward_kl", seed=43, n=96, n_t=90, v_s=3000, v_t=2500, k=32
+    )
+    h64 = hidden.bfloat16().double().requires_grad_(True)
+    w64 = weight.bfloat16().double().requires_grad_(True)
+    want = plain_student_loss(h64, w64, labels, terms, 0.6, int(ce_count(labels)))
+    gh, gw = torch.autograd.grad(want, (h64, w64))
+    h = hidden.bfloat16().cuda().requires_grad_(True)
+    w = weight.float().cuda().requires_grad_(True)
+    labels = labels.cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_v, _ = student_loss(h, w, labels, _on_cuda(terms), 0.6, ce_count(labels), 32)
+    loss_v.backward()
+    assert w.grad.dtype == torch.float32
+    assert abs(loss_v.item() - want.item()) < 1e-3 * abs(want.item())
+    assert rel(h.grad.double().cpu(), gh) < 1e-2 and rel(w.grad.double().cpu(), gw) < 1e-2
+
+
+def test_accumulate_mm_adds_bf16_products_into_float32():
+    from crossdistill.losses.chunked import accumulate_mm
+
+    g = torch.Generator().manual_seed(0)
+    parts = [
+        (torch.randn(256, 96, generator=g), torch.randn(96, 200, generator=g)) for _ in range(3)
+    ]
+    acc = None
+    for a, b in parts:
+        acc = accumulate_mm(acc, a.cuda().bfloat16(), b.cuda().bfloat16(), torch.float32)
+    assert acc.dtype == torch.float32
+    want = sum(a.bfloat16().double() @ b.bfloat16().double() for a, b in parts)
+    assert rel(acc.double().cpu(), want) < 1e-5  # float32 accumulation of exact bf16 products
+
+
 def test_cuda_pass_does_not_synchronize():
     hidden, weight, labels, terms = terms_for("forward_kl", seed=41, n=64, v_s=3000, v_t=2500, k=32)
     h = hidden.float().cuda().requires_grad_(True)

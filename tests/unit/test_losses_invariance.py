@@ -227,3 +227,37 @@ def test_no_host_sync_in_the_hot_path(name):
         r"\.item\(\)|\.tolist\(\)|\.cpu\(\)|\.numpy\(\)|torch\.equal|nonzero\(", source
     )
     assert found == []
+
+
+def test_chunk_slices_are_balanced_and_cover_every_row():
+    from crossdistill.losses.chunked import chunk_slices
+
+    assert [(s.start, s.stop) for s in chunk_slices(8192, 3072)] == [
+        (0, 2816), (2816, 5632), (5632, 8192)
+    ]  # fmt: skip
+    assert [(s.start, s.stop) for s in chunk_slices(8192, 4096)] == [(0, 4096), (4096, 8192)]
+    assert chunk_slices(0, 16) == []
+    for n in range(1, 300, 7):
+        for c in (1, 5, 16, 100, 128, 1000):
+            sl = chunk_slices(n, c)
+            assert sl[0].start == 0 and sl[-1].stop == n
+            assert all(a.stop == b.start for a, b in zip(sl, sl[1:]))
+            assert all(0 < s.stop - s.start <= c for s in sl)
+            assert len(sl) == -(-n // c)
+
+
+def test_accumulate_mm_on_the_cpu_matches_float64():
+    from crossdistill.losses.chunked import accumulate_mm
+
+    g = torch.Generator().manual_seed(1)
+    parts = [(torch.randn(40, 12, generator=g), torch.randn(12, 30, generator=g)) for _ in range(3)]
+    acc = None
+    for a, b in parts:
+        acc = accumulate_mm(acc, a, b, torch.float32)
+    want = sum(a.double() @ b.double() for a, b in parts)
+    assert (acc.double() - want).abs().max() < 1e-5
+    acc16 = None
+    for a, b in parts:  # bf16 operands, float32 accumulator: the products are exact in float32
+        acc16 = accumulate_mm(acc16, a.bfloat16(), b.bfloat16(), torch.float32)
+    want16 = sum(a.bfloat16().double() @ b.bfloat16().double() for a, b in parts)
+    assert acc16.dtype == torch.float32 and (acc16.double() - want16).abs().max() < 1e-5

@@ -1,0 +1,103 @@
+"""A profile summary of real steps: where the device time goes, by kernel and by kind.
+
+`torch.profiler` records a few steps; the summary keeps what a reader needs to decide the next
+optimisation: the busy fraction of the device over the wall time (what is left is host
+overhead and synchronisation), time per step by kind (matmul, attention, Triton, elementwise,
+reductions, copies, optimizer, communication) and the top kernels. On a CPU the same is done
+over operators (self CPU time)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+KINDS = [  # first match wins; names are lower-cased kernel names
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "addmm", "::mm", "bmm", "mm_")),
+    ("triton", ("triton",)),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("communication", ("nccl", "allreduce", "allgather", "reducescatter")),
+    ("reduction", ("reduce", "softmax", "norm", "topk", "sort", "scan", "max", "sum")),
+    ("copy / cast", ("copy", "cast", "memcpy", "memset", "fill", "cat", "index", "gather")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "pointwise")),
+]
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_steps(step: Callable[[], None], steps: int, cuda: bool, top: int = 20) -> dict:
+    """Run `step` `steps` times under the profiler (after one unprofiled call) and summarise
+    per step: `busy_fraction`, `ms_by_kind`, `top` kernels (name, kind, calls, ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    if cuda:
+        torch.cuda.synchronize()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return summarize(prof.key_averages(), wall, steps, cuda, top)
+
+
+def _device_us(event) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, attr, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def summarize(events, wall_s: float, steps: int, cuda: bool, top: int) -> dict:
+    rows = []
+    for e in events:
+        if cuda:
+            us = _device_us(e)
+            is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
+            if not is_kernel or us <= 0:
+                continue
+        else:
+            us = float(e.self_cpu_time_total)
+            if us <= 0:
+                continue
+        rows.append((e.key, us / steps / 1e3, e.count // max(steps, 1)))
+    rows.sort(key=lambda r: -r[1])
+    busy = sum(ms for _, ms, _ in rows)
+    by_kind: dict[str, float] = {}
+    for name, ms, _ in rows:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + ms
+    step_ms = 1e3 * wall_s / steps
+    return {
+        "step_ms": step_ms,
+        "busy_ms": busy,
+        "busy_fraction": busy / step_ms if step_ms else None,
+        "ms_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top": [
+            {"name": name[:120], "kind": kind_of(name), "calls": calls, "ms": round(ms, 3)}
+            for name, ms, calls in rows[:top]
+        ],
+        "what": "device kernels" if cuda else "CPU operators (self time)",
+    }
+
+
+def format_profile(p: dict) -> str:
+    lines = [
+        f"profile ({p['what']}): step {p['step_ms']:.1f} ms, busy {p['busy_ms']:.1f} ms "
+        f"({100 * (p['busy_fraction'] or 0):.0f}%)",
+        "  by kind: " + ", ".join(f"{k} {v:.1f}" for k, v in p["ms_by_kind"].items()),
+    ]
+    for row in p["top"]:
+        lines.append(f"  {row['ms']:8.2f} ms  {row['calls']:5d}x  {row['kind']:12s} {row['name']}")
+    return "\n".join(lines)

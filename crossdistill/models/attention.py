@@ -1,0 +1,172 @@
+"""Attention over packed documents without a mask: variable-length flash attention.
+
+A packed row holds several documents. Given `position_ids` that restart per document,
+transformers builds a `[B, 1, T, T]` block-diagonal mask for SDPA, which then runs the
+memory-efficient kernel over all `T²` scores (a mask skips no work) and checks on the host
+whether the batch is packed at all (a device sync per forward). Flash attention's varlen kernel
+takes the documents as cumulative lengths over the flattened batch instead and computes only
+each document's causal triangle.
+
+`VARLEN` is registered as a transformers attention implementation (`register_varlen`); a model
+built with `attn_implementation="varlen"` uses it. transformers builds no mask for it. The
+segments come with the forward's keyword arguments (`segment_kwargs`: `cu_seq_lens_q`,
+`max_length_q`, as the collator computes them on the host, so nothing syncs), else from
+`position_ids` (a new segment wherever a position is not its predecessor + 1, as transformers
+itself detects packing; this costs one host sync for the longest length). Where flash cannot
+run (no CUDA, float32, head dim > 256, a torch without `torch.nn.attention.varlen`) the same
+function runs SDPA with the equivalent block-causal mask, so results agree on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+VARLEN = "crossdistill_varlen"
+ATTENTION_CHOICES = ("auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
+
+
+def resolve_attention(name: str) -> str:
+    """The transformers implementation name for a config value: `auto` and `varlen` mean the
+    varlen path (it falls back to masked SDPA by itself where flash cannot run)."""
+    if name in ("auto", "varlen"):
+        register_varlen()
+        return VARLEN
+    return name
+
+
+def set_attention(model: torch.nn.Module, implementation: str) -> None:
+    """Switch every (possibly per-module) config of the model to an attention implementation."""
+    seen: set[int] = set()
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if cfg is not None and id(cfg) not in seen and hasattr(cfg, "_attn_implementation"):
+            seen.add(id(cfg))
+            cfg._attn_implementation = resolve_attention(implementation)
+
+
+@functools.cache
+def register_varlen() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention)
+
+
+def segments_from_positions(position_ids: Tensor) -> tuple[Tensor, int]:
+    """`[B, T]` position ids -> (`cu_seqlens [S + 1]` int32 over the flattened batch, longest
+    segment), as `crossdistill.data.batch.segments_from_docs` gives them (one host sync, for the
+    longest length)."""
+    b, t = position_ids.shape
+    starts = torch.ones(b, t, dtype=torch.bool, device=position_ids.device)
+    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    idx = torch.nonzero(starts.reshape(-1)).squeeze(1)
+    cu = torch.cat([idx, idx.new_full((1,), b * t)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def segments_of(batch: Any, device: torch.device) -> tuple[Tensor, int] | None:
+    """A student or teacher batch's `(cu_seqlens, max_seqlen)` on `device`, None if it has none."""
+    cu = getattr(batch, "cu_seqlens", None)
+    return None if cu is None else (cu.to(device, non_blocking=True), batch.max_seqlen)
+
+
+def segment_kwargs(cu_seqlens: Tensor, max_len: int) -> dict[str, Any]:
+    """Forward keyword arguments that carry the segments down to every attention layer."""
+    return {
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
+
+
+@functools.cache
+def _flash_varlen():
+    """`(varlen_attn, its keyword parameters)` or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+def _flash_ok(query: Tensor, scaling: float | None) -> bool:
+    found = _flash_varlen()
+    if found is None or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    head_dim = query.shape[-1]
+    default_scale = scaling is None or math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6)
+    return head_dim <= 256 and head_dim % 8 == 0 and ("scale" in found[1] or default_scale)
+
+
+def varlen_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[Tensor, None]:
+    """transformers attention interface: `query [B, H, T, D]`, `key`/`value` `[B, H_kv, T, D]`
+    -> `[B, T, H, D]`, causal within each segment."""
+    if dropout:
+        raise ValueError("varlen attention has no dropout (distillation runs without it)")
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        cu, max_len = segments_from_positions(_positions(kwargs, query))
+    else:
+        max_len = int(kwargs["max_length_q"])
+    b, h, t, d = query.shape
+    if not _flash_ok(query, scaling):
+        return _masked_sdpa(query, key, value, cu, scaling), None
+    fn, params = _flash_varlen()
+    q = query.transpose(1, 2).reshape(b * t, h, d)
+    k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
+    v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
+    extra: dict[str, Any] = {}
+    if "is_causal" in params:
+        extra["is_causal"] = True
+    else:
+        extra["window_size"] = (-1, 0)
+    if "scale" in params and scaling is not None:
+        extra["scale"] = scaling
+    if k.shape[1] != h:
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
+    return out.view(b, t, h, d), None
+
+
+def _positions(kwargs: dict[str, Any], query: Tensor) -> Tensor:
+    pos = kwargs.get("position_ids")
+    if pos is None:  # one unpacked sequence per row
+        b, _, t, _ = query.shape
+        pos = torch.arange(t, device=query.device).expand(b, t)
+    return pos
+
+
+def _masked_sdpa(
+    query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float | None
+) -> Tensor:
+    """The same attention through SDPA and a block-causal mask built from the segments."""
+    b, h, t, _ = query.shape
+    cu = cu.to(query.device)
+    flat = torch.arange(b * t, device=query.device)
+    seg = torch.bucketize(flat, cu[1:], right=True).view(b, t)
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=key.shape[1] != h
+    )
+    return out.transpose(1, 2).contiguous()
