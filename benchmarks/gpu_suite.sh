@@ -20,7 +20,7 @@ step() {  # name, then bench step arguments
 }
 if stage tests; then
     $py -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_attention.py \
-        tests/unit/test_losses_gpu.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
+        tests/unit/test_losses_gpu.py tests/unit/test_losses_targets.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
 fi
 stage ceilings && $py benchmarks/device_ceilings.py | tee "$OUT/ceilings-$stamp.json"
 if stage loss; then
@@ -33,10 +33,10 @@ S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
 Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
 P=(--teacher phi-4-mini --teacher-tokenizer "$TOK/phi-4-mini/hf"
    --teacher llama-3.2-3b --teacher-tokenizer "$TOK/llama3/hf")
-stage step2048 && step qwen3-4b-llama-1b-2048 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
-    --steps 8 --warmup 3 --baseline naive --ablate sdpa --profile
+stage step2048 && step qwen3-4b-llama-1b-2048${TAG:-} "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 ${EXTRA:-} \
+    --steps 8 --warmup 3 --compile --baseline naive --ablate eager --ablate sdpa --profile
 stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len 2048 \
-    --micro-batch 4 --steps 8 --warmup 3 --baseline naive --ablate sdpa
+    --micro-batch 4 --steps 8 --warmup 3 --compile --baseline naive --ablate eager
 stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
-    --steps 8 --warmup 3 --baseline naive
+    --steps 8 --warmup 3 --compile --baseline naive
 exit 0

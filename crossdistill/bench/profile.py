@@ -52,6 +52,27 @@ def profile_steps(step: Callable[[], None], steps: int, cuda: bool, top: int = 2
     return summarize(prof.key_averages(), wall, steps, cuda, top)
 
 
+def find_syncs(step: Callable[[], None]) -> list[dict]:
+    """Run `step` once with CUDA's synchronisation debug mode on; where (file:line) each host
+    synchronisation came from, most frequent first."""
+    import warnings
+
+    counts: dict[str, int] = {}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where = f"{w.filename}:{w.lineno}"
+            counts[where] = counts.get(where, 0) + 1
+    return [{"where": k, "count": v} for k, v in sorted(counts.items(), key=lambda kv: -kv[1])]
+
+
 def _device_us(event) -> float:
     for attr in ("self_device_time_total", "self_cuda_time_total"):
         value = getattr(event, attr, None)
@@ -66,7 +87,9 @@ def summarize(events, wall_s: float, steps: int, cuda: bool, top: int) -> dict:
         if cuda:
             us = _device_us(e)
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
-            if not is_kernel or us <= 0:
+            # ranges of annotated regions (`Optimizer.step#AdamW.step`, ...) span kernels
+            # already counted: skip them
+            if not is_kernel or us <= 0 or "#" in e.key or e.key.startswith("ProfilerStep"):
                 continue
         else:
             us = float(e.self_cpu_time_total)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 ABLATIONS = {
     "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
+    "eager": "no torch.compile (with --compile)",
 }
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
@@ -62,6 +63,11 @@ def add_parser(subparsers) -> None:
         choices=sorted(ABLATIONS),
         help="also time the step with one optimisation undone (repeatable): "
         + "; ".join(f"{k}: {v}" for k, v in sorted(ABLATIONS.items())),
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile every transformer block (student and teachers), as `compile: true`",
     )
     p.add_argument(
         "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"
@@ -183,6 +189,7 @@ def _finish(result: dict, bench, args) -> None:
         teachers=args.teacher,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
+        compile=args.compile,
         teacher_tokens_per_student_token=bench.teacher_ratio,
     )
     for key in ("", "naive_"):
@@ -198,6 +205,28 @@ def _finish(result: dict, bench, args) -> None:
             )
     if result.get("naive_tokens_per_s"):
         result["speedup_vs_naive"] = result["tokens_per_s"] / result["naive_tokens_per_s"]
+    rate = result.get("matmul_tflops_measured")
+    if rate and "ms/student_loss" in result:
+        # the loss phases hold the lm_head matmuls any step runs (the student's three, each
+        # teacher's one): what the loss adds beyond them, at the matmul rate of this run
+        tokens = args.seq_len * args.micro_batch
+        head = 3 * 2 * tokens * _lm_head_size(bench.student)
+        head += sum(
+            2 * tokens * r * _lm_head_size(t.teacher.model)
+            for t, r in zip(bench.slots, bench.teacher_ratio)
+        )
+        head_ms = head / (rate * 1e12) * 1e3
+        split = sum(v for k, v in result.items() if k.startswith("ms/") and k != "ms/step")
+        split -= result.get("ms/naive_step", 0.0)
+        loss_ms = result["ms/student_loss"] + sum(
+            v for k, v in result.items() if k.startswith("ms/teacher_targets")
+        )
+        result["lm_head_matmul_ms"] = head_ms
+        result["loss_fraction_beyond_lm_head"] = max(loss_ms - head_ms, 0.0) / split
+
+
+def _lm_head_size(model) -> int:
+    return model.get_output_embeddings().weight.numel()
 
 
 def _print_table(result: dict) -> None:
@@ -213,6 +242,7 @@ def _print_table(result: dict) -> None:
         "peak_gib",
         "loader_fraction",
         "loss_fraction",
+        "loss_fraction_beyond_lm_head",
         "naive_tokens_per_s",
         "naive_mfu",
         "naive_peak_gib",

@@ -100,6 +100,11 @@ def build_bench(args) -> Bench:
         autocast=device.type == "cuda",
         device=device,
     )
+    if args.compile:
+        from crossdistill.distributed.parallelize import apply_compile
+
+        for model in [student] + [slot.teacher.model for slot in slots]:
+            apply_compile(model)
     optimizer = build_optimizer(student, OptimConfig())
     bench = Bench(device, student, tok_s, slots, optimizer, iter(loader), settings, [], workdir)
     sample = next(bench.loader)
@@ -151,20 +156,34 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
 
 def profile_real_step(bench: Bench, steps: int = 2) -> dict:
     """`torch.profiler` over real steps (see `crossdistill.bench.profile`)."""
-    from crossdistill.bench.profile import profile_steps
+    from crossdistill.bench.profile import find_syncs, profile_steps
 
     dev = bench.device
-    return profile_steps(
-        lambda: _one_step(bench, next(bench.loader).to(dev, non_blocking=True)),
-        steps,
-        dev.type == "cuda",
-    )
+
+    def step():
+        _one_step(bench, next(bench.loader).to(dev, non_blocking=True))
+
+    out = profile_steps(step, steps, dev.type == "cuda")
+    if dev.type == "cuda":
+        out["syncs"] = find_syncs(step)
+    return out
 
 
 def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
     """The real step timed again with one optimisation undone (`ABLATIONS` in `bench.step`)."""
     models = [bench.student] + [s.teacher.model for s in bench.slots]
-    if name == "sdpa":
+    if name == "eager":
+        from crossdistill.distributed.parallelize import apply_compile, remove_compile
+
+        for model in models:
+            remove_compile(model)
+        try:
+            out = timed_steps(bench, args)
+        finally:
+            if args.compile:
+                for model in models:
+                    apply_compile(model)
+    elif name == "sdpa":
         for model in models:
             set_attention(model, "sdpa")
         try:
@@ -255,8 +274,11 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
     dev = bench.device
     bench.optimizer.zero_grad(set_to_none=True)
     bench.optimizer = None  # free our optimizer state: the baseline brings its own
+    from crossdistill.distributed.parallelize import remove_compile
+
     for model in [bench.student] + [s.teacher.model for s in bench.slots]:
         set_attention(model, "sdpa")  # transformers' default: the block mask from positions
+        remove_compile(model)  # plain eager modules
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")
@@ -264,13 +286,17 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
     def step(batch) -> None:
         ids, labels = batch.student.input_ids, batch.student.labels
         with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-            logits_s = bench.student(input_ids=ids, position_ids=batch.student.position_ids).logits
+            logits_s = bench.student(
+                input_ids=ids, position_ids=batch.student.position_ids, use_cache=False
+            ).logits
             kl = 0.0
             for slot in bench.slots:
                 with torch.no_grad():
                     v_t = slot.teacher.lm_head_weight.shape[0]
                     logits_t = slot.teacher.model(
-                        input_ids=ids.clamp(max=v_t - 1), position_ids=batch.student.position_ids
+                        input_ids=ids.clamp(max=v_t - 1),
+                        position_ids=batch.student.position_ids,
+                        use_cache=False,
                     ).logits
                 v = min(v_t, logits_s.shape[-1])
                 logp_t = F.log_softmax(logits_t.float(), -1)[..., :v]

@@ -95,9 +95,19 @@ def apply_activation_checkpointing(model: nn.Module) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """`torch.compile` each transformer block in place (names and state dict unchanged)."""
+    """`torch.compile` each transformer block in place (names and state dict unchanged), with
+    dynamic shapes: a teacher's row length changes from batch to batch, and so do the
+    attention segments, which would otherwise recompile. Attention itself stays outside the
+    compiled graphs (`varlen_attention` is opaque to them); what compiling fuses is the rest:
+    norms, rotary embedding, the gated MLP's activation, residual adds."""
     for layer in decoder_layers(model):
-        layer.compile()
+        layer.compile(dynamic=True)
+
+
+def remove_compile(model: nn.Module) -> None:
+    """Undo `apply_compile` (the blocks run eagerly again)."""
+    for layer in decoder_layers(model):
+        layer._compiled_call_impl = None
 
 
 def apply_fsdp(

@@ -109,8 +109,14 @@ def teacher_targets(
     next_lp = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
     next_valid = next_ids_t >= 0
     tail_floor = torch.finfo(torch.float32).tiny if top_k < vocab else 0.0
+    fused = _use_fused(hidden_t)
     for r0 in range(0, num_rows, chunk_size):
         r1 = min(r0 + chunk_size, num_rows)
+        if fused:
+            z = hidden_t[r0:r1] @ lm_head_t.t()  # [c, V_t] in the model's half precision
+            out = _fused_chunk(z, next_ids_t[r0:r1], top_k, temperature, tail_floor)
+            next_lp[r0:r1], top_lp[r0:r1], top_ids[r0:r1], tail[r0:r1] = out
+            continue
         z = _logits(hidden_t[r0:r1], lm_head_t, acc)  # [c, V_t]
         nxt = next_ids_t[r0:r1].clamp(min=0).unsqueeze(1)
         next_lp[r0:r1] = z.gather(1, nxt).squeeze(1) - torch.logsumexp(z, dim=1)
@@ -131,6 +137,37 @@ def teacher_targets(
         next_valid=next_valid,
         temperature=float(temperature),
     )
+
+
+def _use_fused(hidden_t: Tensor) -> bool:
+    from crossdistill.losses import fused
+
+    return (
+        hidden_t.is_cuda
+        and hidden_t.dtype in (torch.bfloat16, torch.float16)
+        and (fused.available())
+    )
+
+
+def _fused_chunk(
+    z: Tensor, next_ids: Tensor, top_k: int, temperature: float, tail_floor: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """One chunk of `teacher_targets` from half-precision logits `z [c, V_t]` (what the bf16
+    lm_head gives; the float32 path upcasts exactly these values) in three passes over the
+    block: top-k, then one kernel for the max and the sums at τ = 1 and at τ and the tail (the
+    sum over the non-top-k tokens, read from a bitmask: exact, no `S − Σ` cancellation), and
+    the gather of the next tokens. (next log-prob, top-k log-probs, top-k ids, tail log-prob)."""
+    from crossdistill.losses.fused import bucket_bits, row_stats
+
+    vals, ids = z.topk(top_k, dim=1)  # sorted, descending
+    taus = [1.0] if temperature == 1.0 else [1.0, temperature]
+    zmax, _, s, tail = row_stats(z, taus, [bucket_bits(ids, None, z.shape[1])], [len(taus) - 1])
+    nxt = next_ids.clamp(min=0).unsqueeze(1)
+    next_lp = z.gather(1, nxt).squeeze(1).to(zmax.dtype) - zmax - s[:, 0].log()
+    log_s = s[:, -1].log()
+    top_lp = (vals.to(zmax.dtype) - zmax.unsqueeze(1)) / temperature - log_s.unsqueeze(1)
+    tail_lp = tail[:, 0].clamp(min=tail_floor).log() - log_s
+    return next_lp, top_lp, ids, tail_lp
 
 
 @torch.no_grad()

@@ -105,6 +105,7 @@ def _flash_ok(query: Tensor, scaling: float | None) -> bool:
     return head_dim <= 256 and head_dim % 8 == 0 and ("scale" in found[1] or default_scale)
 
 
+@torch.compiler.disable  # a graph break inside compiled blocks: the kernels are opaque anyway
 def varlen_attention(
     module: torch.nn.Module,
     query: Tensor,

@@ -192,7 +192,7 @@ def _single_models(cfg: Config, device: torch.device) -> nn.Module:
 
 
 def _single_teacher(cfg: Config, t: TeacherConfig, device: torch.device) -> nn.Module:
-    return build_causal_lm(
+    model = build_causal_lm(
         t.path,
         t.arch,
         device=device,
@@ -201,3 +201,8 @@ def _single_teacher(cfg: Config, t: TeacherConfig, device: torch.device) -> nn.M
         attn_implementation=t.attn_implementation,
         seed=cfg.train.seed + 1,
     )
+    if t.compile:
+        from crossdistill.distributed.parallelize import apply_compile
+
+        apply_compile(model)
+    return model

@@ -287,6 +287,9 @@ def train_step(
     total = place.reduce_metrics(total)
     for k, s in enumerate(slots):
         total[f"teacher_bpb/{s.cfg.name}"] = npb[k] / LN2
-        total[f"weight/{s.cfg.name}"] = torch.as_tensor(weights[k], device=dev)
+        w = weights[k]  # a float (static weights) is filled in place: a copy would synchronize
+        total[f"weight/{s.cfg.name}"] = (
+            w if isinstance(w, Tensor) else torch.full((), w, device=dev)
+        )
     total["num_ce_tokens"] = ce_den
     return total

@@ -79,6 +79,59 @@ def test_teacher_targets_bf16_is_close_to_float64():
     assert err < 5e-3
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.7])
+@pytest.mark.parametrize("top_k", [5, 23])
+def test_fused_chunk_flow_matches_the_plain_path(tau, top_k):
+    """The CUDA flow (top-k, one stats pass with a top-k bitmask, gather), here on its PyTorch
+    stand-ins, gives the plain path's targets."""
+    from crossdistill.losses.targets import _fused_chunk
+
+    h, w, nxt = _teacher(3)
+    kd = torch.arange(9)
+    want = teacher_targets(h, w, kd, nxt, top_k=top_k, temperature=tau, chunk_size=4)
+    floor = torch.finfo(torch.float32).tiny if top_k < 23 else 0.0
+    next_lp, top_lp, ids, tail = _fused_chunk(h @ w.t(), nxt, top_k, tau, floor)
+    assert torch.equal(ids.to(torch.int32), want.topk_ids)
+    torch.testing.assert_close(top_lp.double(), want.topk_logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(tail.double(), want.tail_logprob, rtol=0, atol=1e-12)
+    valid = nxt >= 0
+    torch.testing.assert_close(
+        next_lp.double()[valid], want.next_logprobs[valid], rtol=0, atol=1e-12
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_cuda_bf16_teacher_targets_match_float64(tau):
+    """On CUDA, bf16 hidden states take the fused flow: against float64 on the same bf16
+    logits."""
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(300, 64, generator=gen).bfloat16()
+    w = (torch.randn(5000, 64, generator=gen) * 0.3).bfloat16()
+    nxt = torch.randint(0, 5000, (300,), generator=gen)
+    kd = torch.arange(300)
+    got = teacher_targets(h.cuda(), w.cuda(), kd.cuda(), nxt.cuda(), 32, tau, chunk_size=128)
+    z = (h.cuda() @ w.cuda().t()).double().cpu()  # the bf16 logits both paths see
+    want = teacher_targets(z, torch.eye(5000, dtype=torch.float64), kd, nxt, 32, tau, 128)
+    # bf16 logits tie often, and tied ids may come in any order: compare values, and check
+    # that each id's own logit gives its log-prob
+    torch.testing.assert_close(
+        got.topk_logprobs.cpu().double(), want.topk_logprobs, rtol=0, atol=1e-4
+    )
+    at_ids = z.gather(1, got.topk_ids.cpu().long())
+    lse_tau = torch.logsumexp(z / tau, 1, keepdim=True)
+    torch.testing.assert_close(
+        got.topk_logprobs.cpu().double(), at_ids / tau - lse_tau, rtol=0, atol=1e-4
+    )
+    torch.testing.assert_close(
+        got.tail_logprob.cpu().double(), want.tail_logprob, rtol=0, atol=1e-4
+    )
+    torch.testing.assert_close(
+        got.next_logprobs.cpu().double(), want.next_logprobs, rtol=0, atol=1e-4
+    )
+
+
 def test_size_per_token_is_as_documented():
     h, w, nxt = _teacher(3)
     h, w = h.float(), w.float()
