@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 EXAMPLES = """examples:
@@ -240,6 +241,8 @@ def measure(args) -> dict:
     ours_extra, naive_extra = max(ours_peak - grad_bytes, 0), max(naive_peak - grad_bytes, 0)
     return {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else _cpu_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "command": "crossdistill bench loss " + " ".join(sys.argv[3:]),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -183,6 +184,8 @@ def _finish(result: dict, bench, args) -> None:
     peak = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
     result.update(
         device=name,
+        date=time.strftime("%Y-%m-%d"),
+        command="crossdistill bench step " + " ".join(sys.argv[3:]),
         torch=torch.__version__,
         flops_per_token=flops,
         student=args.student,
