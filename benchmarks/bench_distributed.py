@@ -62,8 +62,9 @@ LAYOUTS = {
     "tp2": (P(tp=2, dp_shard=-1), P(tp=2, dp_shard=-1)),
     "teacher_tp2": (P(dp_shard=-1), P(tp=2, dp_shard=-1)),
     "cp2": (P(cp=2, dp_shard=-1), P(cp=2, dp_shard=-1)),
+    # four GPUs, heterogeneous: student TP2 x DP2 (FSDP), teacher TP2 x CP2 (one data group)
+    "s_tp2dp2_t_tp2cp2": (P(tp=2, dp_shard=-1), P(tp=2, cp=2)),
 }
-INVARIANCE_STEPS = 3
 
 
 def parse_args() -> argparse.Namespace:
@@ -81,6 +82,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--split-steps", type=int, default=3, help="extra steps timed part by part")
     p.add_argument("--layouts", default="ddp", help=f"comma list of {sorted(LAYOUTS)}")
     p.add_argument("--loss-chunk-size", type=int, default=2048)
+    p.add_argument("--invariance-steps", type=int, default=3, help="steps compared across layouts")
+    p.add_argument(
+        "--invariance-window",
+        type=int,
+        default=2,
+        help="micro-batches per invariance step (a multiple of every layout's data-parallel size)",
+    )
     p.add_argument("--workdir", default="/tmp/crossdistill-bench")
     p.add_argument("--skip-load", action="store_true", help="skip phase 3")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -241,12 +249,13 @@ def run_phase(cfg, student, slots, placement, batches, args, device, rank_of_dat
         return metrics, norm
 
     invariance = []
-    for i in range(INVARIANCE_STEPS):
-        window = batches[2 * i : 2 * i + 2]
+    w = args.invariance_window
+    for i in range(args.invariance_steps):
+        window = batches[w * i : w * i + w]
         mine = [mb for j, mb in enumerate(window) if j % num_data == rank_of_data]
         metrics, norm = step(mine)
         invariance.append((float(metrics["loss"]), float(norm)))
-    base = 2 * INVARIANCE_STEPS
+    base = w * args.invariance_steps
     timed = []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -418,6 +427,20 @@ def sharded_load(cfg: Config, args, env, work: Path) -> dict:
     return out
 
 
+def flops_per_token(cfg: Config, batches: list) -> float:
+    """Training FLOPs per student token, counted as `crossdistill bench step` counts them."""
+    from crossdistill.bench.step import _flops_per_student_token, _shape
+    from crossdistill.models.loading import build_meta_model
+
+    s, t = cfg.student, cfg.teachers[0]
+    meta_s = build_meta_model(None, s.arch, dtype=torch.bfloat16, overrides=s.overrides)
+    meta_t = build_meta_model(None, t.arch, dtype=torch.bfloat16, overrides=t.overrides)
+    n_s = sum(int((b.student.doc_ids >= 0).sum()) for b in batches)
+    n_t = sum(int((b.teachers[0].doc_ids >= 0).sum()) for b in batches)
+    ratio = n_t / max(n_s, 1)
+    return _flops_per_student_token(_shape(meta_s), [(_shape(meta_t), ratio)], cfg.data.seq_len)
+
+
 def main() -> int:
     from crossdistill.distributed.layout import init_distributed
 
@@ -428,7 +451,8 @@ def main() -> int:
     cfg = make_config(args, work)
     prepare(cfg, work, env.rank)
     world = env.world_size
-    need = 2 * INVARIANCE_STEPS + world * (args.warmup + args.steps + args.split_steps)
+    need = args.invariance_window * args.invariance_steps
+    need += world * (args.warmup + args.steps + args.split_steps)
     batches = global_batches(cfg, need)
     result: dict = {
         "benchmark": "distributed",
@@ -471,6 +495,20 @@ def main() -> int:
                     [abs(a - c) / abs(c), abs(b - d) / abs(d)]
                     for (a, b), (c, d) in zip(many["invariance"], one["invariance"])
                 ]
+        names = args.layouts.split(",")
+        first, second = (result.get(f"gpus_{n}") for n in (names + names)[:2])
+        if len(names) >= 2 and first and second:  # the first two layouts against each other
+            result["layout_pair"] = names[:2]
+            result["layout_pair_rel"] = [
+                [abs(a - c) / abs(c), abs(b - d) / abs(d)]
+                for (a, b), (c, d) in zip(first["invariance"], second["invariance"])
+            ]
+        flops = flops_per_token(cfg, batches)
+        result["flops_per_token"] = flops
+        for name in ["one_gpu"] + [f"gpus_{n}" for n in names]:
+            phase = result.get(name)
+            if phase and env.device.type == "cuda":
+                phase["mfu"] = phase["tokens_per_s_per_gpu"] * flops / 989e12
         line = json.dumps(result)
         print(line, flush=True)
         if args.out:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 ABLATIONS = {
     "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
     "eager": "no torch.compile (with --compile)",
+    "torch-varlen": "torch.nn.attention.varlen_attn (its own backend choice) for varlen attention",
 }
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:

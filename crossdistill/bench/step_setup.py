@@ -183,6 +183,14 @@ def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
             if args.compile:
                 for model in models:
                     apply_compile(model)
+    elif name == "torch-varlen":
+        from crossdistill.models import attention
+
+        attention.set_varlen_backend("torch")
+        try:
+            out = timed_steps(bench, args)
+        finally:
+            attention.set_varlen_backend("flash")
     elif name == "sdpa":
         for model in models:
             set_attention(model, "sdpa")
@@ -313,8 +321,12 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
         opt.zero_grad(set_to_none=True)
 
     batches = [next(bench.loader).to(dev) for _ in range(args.steps)]
-    for b in batches[: args.warmup]:
-        step(b)
+    try:
+        for b in batches[: args.warmup]:
+            step(b)
+    except torch.OutOfMemoryError:
+        # the naive step does not fit this device at this micro-batch: say so, keep ours
+        return {"naive_error": f"out of memory at micro-batch {args.micro_batch}"}
     _sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()

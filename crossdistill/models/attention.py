@@ -96,13 +96,53 @@ def _flash_varlen():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+# Which kernel runs the varlen call on CUDA: "flash" = PyTorch's FlashAttention-2 operators
+# called directly (grouped-query attention native, no key/value head copies); "torch" =
+# `torch.nn.attention.varlen.varlen_attn`, which picks its own backend (cuDNN on some builds).
+BACKENDS = ("flash", "torch")
+_BACKEND = {"name": "flash"}
+
+
+def set_varlen_backend(name: str) -> None:
+    if name not in BACKENDS:
+        raise ValueError(f"varlen backend must be one of {BACKENDS}, got {name!r}")
+    _BACKEND["name"] = name
+
+
 def _flash_ok(query: Tensor, scaling: float | None) -> bool:
-    found = _flash_varlen()
-    if found is None or not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
         return False
     head_dim = query.shape[-1]
+    if head_dim > 256 or head_dim % 8:
+        return False
+    if _BACKEND["name"] == "flash" and hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return True
+    found = _flash_varlen()
     default_scale = scaling is None or math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6)
-    return head_dim <= 256 and head_dim % 8 == 0 and ("scale" in found[1] or default_scale)
+    return found is not None and ("scale" in found[1] or default_scale)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal FlashAttention-2 over segments: `q [N, H, D]`, `k`/`v` `[N, H_kv, D]` (H_kv
+    dividing H: the kernel shares each key/value head across its query heads)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, max_len, scale):
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0,
+            True, rng, unused, scale=ctx.scale,
+        )  # fmt: skip
+        return dq, dk, dv, None, None, None
 
 
 @torch.compiler.disable  # a graph break inside compiled blocks: the kernels are opaque anyway
@@ -128,10 +168,14 @@ def varlen_attention(
     b, h, t, d = query.shape
     if not _flash_ok(query, scaling):
         return _masked_sdpa(query, key, value, cu, scaling), None
-    fn, params = _flash_varlen()
     q = query.transpose(1, 2).reshape(b * t, h, d)
     k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
+    cu = cu.to(device=q.device, dtype=torch.int32)
+    if _BACKEND["name"] == "flash" and hasattr(torch.ops.aten, "_flash_attention_forward"):
+        out = _FlashVarlen.apply(q, k, v, cu, max_len, scaling)
+        return out.view(b, t, h, d), None
+    fn, params = _flash_varlen()
     extra: dict[str, Any] = {}
     if "is_causal" in params:
         extra["is_causal"] = True
@@ -144,7 +188,6 @@ def varlen_attention(
             extra["enable_gqa"] = True
         else:
             k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
-    cu = cu.to(device=q.device, dtype=torch.int32)
     out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
     return out.view(b, t, h, d), None
 
