@@ -3,9 +3,11 @@
 Each side's token byte lengths give cumulative end offsets; an offset that is an end on both
 sides is a common boundary, and the tokens between two consecutive common boundaries form a
 chunk: student tokens `[s0, s1)` and teacher tokens `[t0, t1)` covering the same bytes. When
-the two decoded byte strings are identical this is a merge of two sorted arrays, O(n + m).
-When they differ (normalisation, stripped whitespace, a literal special-token string read as
-text by one side only), offsets are mapped through a byte-level diff first (`diff.py`) and the
+the two decoded byte strings are identical this is a merge of two sorted arrays, O(n + m)
+(`pair.py`, which also tells that they are identical without building them: chunks of one
+token per side compare canonical token ids, only the other chunks compare bytes). When they
+differ (normalisation, stripped whitespace, a literal special-token string read as text by
+one side only), offsets are mapped through a byte-level diff first (`diff.py`) and the
 dynamic-programming aligner (`dp.py`) is used only inside stretches whose bytes differ on both
 sides; the token positions it handled are counted in `Alignment.num_fallback`.
 
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crossdistill.alignment.dp import lcs_pairs
+from crossdistill.alignment.pair import arange, common_cuts, joint, pair_table, same_bytes
 from crossdistill.alignment.token_bytes import TokenBytes
 from crossdistill.errors import UserError
 
@@ -108,24 +111,12 @@ class Side:
         flat_at = self.table.offsets[self.ids] if self.flat_at is None else self.flat_at
         # Byte k of token i sits at flat_at[i] + (k - start of i): one repeat, one add.
         index = np.repeat(flat_at - (self.ends - self.lens), self.lens)
-        index += _arange(index.shape[0])
+        index += arange(index.shape[0])
         return self.table.flat[index]
 
 
-_ARANGE = np.arange(1 << 16, dtype=np.int64)
-
-
-def _arange(n: int) -> np.ndarray:
-    """A read-only view of 0..n-1, shared between calls (kept, never rebuilt per call)."""
-    global _ARANGE
-    if n > _ARANGE.shape[0]:
-        _ARANGE = np.arange(max(n, 2 * _ARANGE.shape[0]), dtype=np.int64)
-    return _ARANGE[:n]
-
-
-def make_side(ids, table: TokenBytes, doc_starts: np.ndarray | None = None) -> Side:
-    """Byte offsets of one token sequence. ids: any 1-D int sequence of ids of `table`;
-    doc_starts: [B] first token of each text when `ids` concatenates several (default: one)."""
+def as_ids(ids, table: TokenBytes) -> np.ndarray:
+    """[n] int64 ids of `table` from any 1-D int sequence; a clear error for anything else."""
     ids = np.asarray(ids)
     if ids.ndim != 1:
         raise UserError(f"token ids must be a 1-D sequence, got shape {tuple(ids.shape)}")
@@ -138,6 +129,13 @@ def make_side(ids, table: TokenBytes, doc_starts: np.ndarray | None = None) -> S
             f"token id {bad} is outside this tokenizer's vocabulary of {table.vocab_size}; "
             "align ids with the tokenizer that produced them"
         )
+    return ids
+
+
+def make_side(ids, table: TokenBytes, doc_starts: np.ndarray | None = None) -> Side:
+    """Byte offsets of one token sequence. ids: any 1-D int sequence of ids of `table`;
+    doc_starts: [B] first token of each text when `ids` concatenates several (default: one)."""
+    ids = as_ids(ids, table)
     meta = table.meta[ids]  # one gather for offset and length
     lens = meta & 0xFFFF
     flat_at = meta >> 16
@@ -164,31 +162,69 @@ def align(ids_s, ids_t, bytes_s: TokenBytes, bytes_t: TokenBytes) -> Alignment:
     ids_s: [n] student token ids, ids_t: [m] teacher token ids (any 1-D int sequence);
     bytes_s / bytes_t: the two tokenizers' `TokenBytes`. Returns an `Alignment`.
     """
-    side_s, side_t = make_side(ids_s, bytes_s), make_side(ids_t, bytes_t)
-    trivial = _trivial(side_s, side_t)
+    ids_s, ids_t = as_ids(ids_s, bytes_s), as_ids(ids_t, bytes_t)
+    pair = pair_table(bytes_s, bytes_t)
+    j = joint(pair, ids_s, ids_t)
+    trivial = _trivial(j.n, j.m, j.total_s, j.total_t)
     if trivial is not None:
         return trivial
-    if bytes_s is bytes_t and np.array_equal(side_s.ids, side_t.ids):
-        cuts = np.flatnonzero(side_s.lens) + 1 if side_s.num_zero else np.arange(1, side_s.size + 1)
-        bounds = side_s.ends[cuts - 1]
-        return _exact_alignment(side_s, side_t, cuts, cuts, bounds, bounds)
-    stream_s, stream_t = side_s.stream(), side_t.stream()
-    if side_s.total == side_t.total and np.array_equal(stream_s, stream_t):
-        last_s, last_t = common_ends(side_s, side_t)
-        cut_s = (side_s.positive_index()[last_s] if side_s.num_zero else last_s) + 1
-        cut_t = (side_t.positive_index()[last_t] if side_t.num_zero else last_t) + 1
-        bounds = side_s.ends[cut_s - 1]
-        return _exact_alignment(side_s, side_t, cut_s, cut_t, bounds, bounds)
+    if j.total_s == j.total_t:
+        exact = _exact_alignment(pair, j, ids_s, ids_t, bytes_s, bytes_t)
+        if exact is not None:
+            return exact
     from crossdistill.alignment.align_diff import align_different_bytes
 
-    return align_different_bytes(side_s, side_t, stream_s, stream_t)
+    side_s, side_t = make_side(ids_s, bytes_s), make_side(ids_t, bytes_t)
+    return align_different_bytes(side_s, side_t, side_s.stream(), side_t.stream())
+
+
+def _exact_alignment(pair, j, ids_s, ids_t, bytes_s, bytes_t) -> Alignment | None:
+    """The alignment of `Joint` j when both sides' bytes are identical, else None."""
+    cuts, hit = common_cuts(j)
+    if not same_bytes(pair, j, cuts, hit):
+        return None
+    n, m = j.n, j.m
+    chunks = rows_from_cuts(cuts, n, m)
+    if j.zero_s and j.zero_t:
+        leading_s, leading_t = j.leading()
+        if leading_s and leading_t:  # the common case, BOS on both sides: pair them up front
+            chunks = pair_leading(chunks, min(j.zero_s, j.zero_t))
+        else:
+            ends_s, ends_t = j.ends[:n], j.ends[n:] - j.total_s
+            side_s = Side(ids_s, j.lens[:n], ends_s, bytes_s, j.zero_s)
+            side_t = Side(ids_t, j.lens[n:], ends_t, bytes_t, j.zero_t)
+            bounds = ends_s[cuts[: cuts.shape[0] // 2]]
+            chunks = _pair_zero_byte_tokens(chunks, side_s, side_t, bounds, bounds)
+    return Alignment(chunks, np.ones(chunks.shape[0], dtype=bool))
+
+
+def rows_from_cuts(cuts: np.ndarray, n: int, m: int) -> np.ndarray:
+    """[C, 4] chunk rows from the [2C] cuts of `common_cuts` (n student, m teacher tokens);
+    zero-byte tokens go with the following chunk, at the end with the last one."""
+    num = cuts.shape[0] // 2
+    chunks = np.empty((num, 4), dtype=np.int64)
+    np.add(cuts[:num], 1, out=chunks[:, 1])
+    np.subtract(cuts[num:], n - 1, out=chunks[:, 3])
+    chunks[1:, 0::2] = chunks[:-1, 1::2]  # each chunk starts where the one before ends
+    chunks[0, 0] = chunks[0, 2] = 0
+    chunks[-1, 1], chunks[-1, 3] = n, m
+    return chunks
+
+
+def pair_leading(chunks: np.ndarray, pairs: int) -> np.ndarray:
+    """`pairs` zero-byte tokens before the text on both sides become 1:1 chunks up front."""
+    out = np.empty((pairs + chunks.shape[0], 4), dtype=np.int64)
+    out[:pairs] = arange(pairs)[:, None] + np.array([0, 1, 0, 1])
+    out[pairs:] = chunks
+    out[pairs, 0] = out[pairs, 2] = pairs
+    return out
 
 
 def align_dp(ids_s, ids_t, bytes_s: TokenBytes, bytes_t: TokenBytes) -> Alignment:
     """The alignment `align` gives for texts both sides decode to identical bytes, computed by
     the O(n * m) dynamic program over token end offsets: the fallback, kept as a baseline."""
     side_s, side_t = make_side(ids_s, bytes_s), make_side(ids_t, bytes_t)
-    trivial = _trivial(side_s, side_t)
+    trivial = _trivial(side_s.size, side_t.size, side_s.total, side_t.total)
     if trivial is not None:
         return trivial
     ends_s, ends_t = side_s.positive_ends(), side_t.positive_ends()
@@ -203,31 +239,14 @@ def align_dp(ids_s, ids_t, bytes_s: TokenBytes, bytes_t: TokenBytes) -> Alignmen
     return Alignment(chunks, exact, num_fallback=side_s.size + side_t.size)
 
 
-def _trivial(side_s: Side, side_t: Side) -> Alignment | None:
-    """Texts with no bytes on a side: zero chunks, or one inexact chunk if only one is empty."""
-    n_s, n_t = side_s.size, side_t.size
-    if n_s == 0 or n_t == 0 or (side_s.total == 0 and side_t.total == 0):
+def _trivial(n_s: int, n_t: int, total_s: int, total_t: int) -> Alignment | None:
+    """Texts with no bytes on a side: zero chunks, or one inexact chunk if only one is empty.
+    n_*: tokens per side, total_*: bytes per side."""
+    if n_s == 0 or n_t == 0 or (total_s == 0 and total_t == 0):
         return Alignment(np.zeros((0, 4), dtype=np.int64), np.zeros(0, dtype=bool))
-    if side_s.total == 0 or side_t.total == 0:
+    if total_s == 0 or total_t == 0:
         return Alignment(np.asarray([[0, n_s, 0, n_t]], dtype=np.int64), np.zeros(1, dtype=bool))
     return None
-
-
-def common_ends(side_s: Side, side_t: Side) -> tuple[np.ndarray, np.ndarray]:
-    """Equal totals: the text-bearing tokens (indices among them) whose end is also an end on
-    the other side, i.e. the last token of each chunk. O(n + m) with a byte-indexed mark
-    array, no sorting. Returns [B] indices per side; the B ends are the same offsets."""
-    ends_s, ends_t = side_s.positive_ends(), side_t.positive_ends()
-    is_end_s = np.zeros(side_s.total + 1, dtype=bool)
-    is_end_t = np.zeros(side_t.total + 1, dtype=bool)
-    is_end_s[ends_s] = True
-    is_end_t[ends_t] = True
-    return np.flatnonzero(is_end_t[ends_s]), np.flatnonzero(is_end_s[ends_t])
-
-
-def _exact_alignment(side_s, side_t, cut_s, cut_t, bounds_s, bounds_t) -> Alignment:
-    chunks = chunks_from_cuts(side_s, side_t, cut_s, cut_t, bounds_s, bounds_t)
-    return Alignment(chunks, np.ones(chunks.shape[0], dtype=bool))
 
 
 def chunks_from_cuts(side_s: Side, side_t: Side, cut_s, cut_t, bounds_s, bounds_t) -> np.ndarray:

@@ -61,32 +61,40 @@ def _kernels():
         hi = tl.minimum(lo + span, vocab)
         t_idx = tl.arange(0, TP)
         p_idx = tl.arange(0, PP)
-        inv_tau = tl.load(inv_tau_ptr + t_idx, mask=t_idx < T, other=1.0)
+        # a block is a [W, 32] tile: each bucket-mask word is loaded once and its 32 bits
+        # spread over its row of the tile (spans and blocks start at multiples of 32)
+        W: tl.constexpr = BLOCK // 32
+        w_idx = tl.arange(0, W)
+        b_idx = tl.arange(0, 32)
         m = float("-inf")
         arg = 0
         s = tl.zeros([TP], dtype=tl.float32)
         tail = tl.zeros([PP], dtype=tl.float32)
         for start in range(lo, hi, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+            cols = start + w_idx[:, None] * 32 + b_idx[None, :]  # [W, 32]
             inside = cols < hi
             x = tl.load(z_ptr + row * stride_z + cols, mask=inside, other=float("-inf"))
-            x = x.to(tl.float32)
+            x = tl.reshape(x.to(tl.float32), [BLOCK])  # column order: start + position
             b_max = tl.max(x, 0)
             b_arg = tl.argmax(x, 0) + start
             arg = tl.where(b_max > m, b_arg, arg)
             m_new = tl.maximum(m, b_max)
-            rescale = tl.exp((m - m_new) * inv_tau)  # [TP]; 0 on the first block
-            e = tl.exp((x[None, :] - m_new) * inv_tau[:, None])  # [TP, BLOCK]
-            s = s * rescale + tl.sum(e, 1)
-            for p in tl.static_range(P):
-                word = tl.load(
-                    mask_ptr + p * stride_mp + row * stride_mr + cols // 32, mask=inside, other=0
-                )
-                hit = ((word >> (cols % 32).to(tl.int32)) & 1) != 0
-                e_p = tl.sum(tl.where(t_idx[:, None] == tl.load(mask_tau_ptr + p), e, 0.0), 0)
-                add = tl.sum(tl.where(hit | (~inside), 0.0, e_p), 0)
-                scale_p = tl.sum(tl.where(t_idx == tl.load(mask_tau_ptr + p), rescale, 0.0), 0)
-                tail = tl.where(p_idx == p, tail * scale_p + add, tail)
+            for t in tl.static_range(T):  # one exp per element and temperature in use
+                inv_tau = tl.load(inv_tau_ptr + t)
+                rescale = tl.exp((m - m_new) * inv_tau)  # 0 on the first block
+                e = tl.reshape(tl.exp((x - m_new) * inv_tau), [W, 32])
+                s = tl.where(t_idx == t, s * rescale + tl.sum(tl.sum(e, 1), 0), s)
+                for p in tl.static_range(P):
+                    word_at = start // 32 + w_idx
+                    word = tl.load(
+                        mask_ptr + p * stride_mp + row * stride_mr + word_at,
+                        mask=word_at * 32 < hi,
+                        other=0,
+                    )
+                    hit = ((word[:, None] >> b_idx[None, :]) & 1) != 0  # [W, 32]
+                    add = tl.sum(tl.sum(tl.where(hit, 0.0, e), 1), 0)
+                    mine = (p_idx == p) & (tl.load(mask_tau_ptr + p) == t)
+                    tail = tl.where(mine, tail * rescale + add, tail)
             m = m_new
         out = row * parts + part
         tl.store(max_ptr + out, m)
@@ -102,13 +110,12 @@ def _kernels():
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < vocab
-        t_idx = tl.arange(0, TP)
-        inv_tau = tl.load(inv_tau_ptr + t_idx, mask=t_idx < T, other=1.0)
-        coef = tl.load(coef_ptr + row * T + t_idx, mask=t_idx < T, other=0.0)
         m = tl.load(max_ptr + row)
         x = tl.load(z_ptr + row * stride_z + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        e = tl.exp((x[None, :] - m) * inv_tau[:, None])  # [TP, BLOCK]
-        g = tl.sum(e * coef[:, None], 0)
+        g = tl.zeros([BLOCK], dtype=tl.float32)
+        for t in tl.static_range(T):  # one exp per element and temperature in use
+            inv_tau = tl.load(inv_tau_ptr + t)
+            g += tl.exp((x - m) * inv_tau) * tl.load(coef_ptr + row * T + t)
         tl.store(g_ptr + row * stride_g + cols, g.to(g_ptr.dtype.element_ty), mask=inside)
 
     return triton, stats, grad
@@ -147,6 +154,13 @@ def row_stats(
     """(max `[c]`, argmax `[c]`, S `[c, T]` per temperature, S_tail `[c, P]` per mask)."""
     if not (z.is_cuda and available()):
         return row_stats_torch(z, taus, masks, mask_tau)
+    return row_stats_triton(z, taus, masks, mask_tau)
+
+
+def row_stats_triton(
+    z: Tensor, taus: list[float], masks: list[Tensor], mask_tau: list[int]
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`row_stats` through the Triton kernel (any device Triton runs on)."""
     triton, stats, _ = _kernels()
     c, vocab = z.shape
     dev = z.device
@@ -186,6 +200,11 @@ def logit_grad(z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, dtype) 
     its dtype (each element is read, then written, by the same program)."""
     if not (z.is_cuda and available()):
         return logit_grad_torch(z, zmax, taus, coef, dtype)
+    return logit_grad_triton(z, zmax, taus, coef, dtype)
+
+
+def logit_grad_triton(z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, dtype) -> Tensor:
+    """`logit_grad` through the Triton kernel."""
     triton, _, grad = _kernels()
     c, vocab = z.shape
     out = z if z.dtype == dtype else torch.empty(c, vocab, dtype=dtype, device=z.device)

@@ -209,6 +209,23 @@ def test_zero_byte_tokens_pair_and_attach():
     assert result.exact.all()
 
 
+def test_equal_lengths_are_not_equal_bytes():
+    """Identical bytes are decided per chunk; equal lengths, ids or duplicates must not fool it."""
+    table_s = TokenBytes.from_pieces([b"ab", b"c", b"abc", b"x"])
+    table_t = TokenBytes.from_pieces([b"x", b"abd", b"a", b"bd", b"ab", b"ab", b"c", b"abc"])
+    for ids_s, ids_t in [([2, 3], [1, 0]), ([0, 1, 3], [2, 3, 0]), ([3, 2], [0, 1])]:
+        result = align(ids_s, ids_t, table_s, table_t)  # "abc" against "abd": not exact
+        assert not result.exact.all()
+        for (s0, s1, t0, t1), exact in zip(result.chunks.tolist(), result.exact.tolist()):
+            bytes_s, bytes_t = table_s.decode(ids_s[s0:s1]), table_t.decode(ids_t[t0:t1])
+            assert (bytes_s == bytes_t) >= exact
+    # The same bytes under different ids, and twice in one vocabulary: exact, one per token.
+    for ids_t in ([4, 6, 0], [5, 6, 0], [7, 0]):
+        result = align([0, 1, 3], ids_t, table_s, table_t)
+        assert result.exact.all() and result.num_fallback == 0
+        assert len(result) == len(ids_t) and result.chunks[-1].tolist()[1::2] == [3, len(ids_t)]
+
+
 def test_empty_and_degenerate_inputs():
     table = TokenBytes.from_pieces([b"a", b""], special={1: "<s>"})
     for ids_s, ids_t in [([], []), ([1], [1]), ([1], []), ([0], []), ([], [0])]:
@@ -230,7 +247,9 @@ def test_bad_ids_are_user_errors():
         align_batch([[0]], [], table, table)
 
 
-@pytest.mark.parametrize("case", ["plain", "bos_one_side", "bos_both", "empty_text", "differ"])
+@pytest.mark.parametrize(
+    "case", ["plain", "bos_one_side", "bos_both", "bos_both_eos", "empty_text", "differ"]
+)
 def test_align_batch_equals_align(case):
     """The one-pass batch path and its text-by-text fallbacks give what `align` gives."""
     rng = np.random.default_rng(len(case))
@@ -242,10 +261,12 @@ def test_align_batch_equals_align(case):
     texts = ["".join(rng.choice(alphabet, size=int(n))).encode() for n in rng.integers(1, 60, 6)]
     batch_s = [_tokens(vocab, t, rng) for t in texts]
     batch_t = [_tokens(vocab, t, rng) for t in texts]
-    if case in ("bos_one_side", "bos_both"):
+    if case in ("bos_one_side", "bos_both", "bos_both_eos"):
         batch_s = [[bos, *ids] for ids in batch_s]
-    if case == "bos_both":
+    if case in ("bos_both", "bos_both_eos"):
         batch_t = [[bos, *ids] for ids in batch_t]
+    if case == "bos_both_eos":  # zero-byte tokens after the text: they pair up text by text
+        batch_s[1] = [*batch_s[1], bos]
     if case == "empty_text":
         batch_s[2], batch_t[2] = [], []
     if case == "differ":
@@ -253,7 +274,7 @@ def test_align_batch_equals_align(case):
     got = align_batch(batch_s, batch_t, table, twin)
     assert len(got) == len(texts)
     one_pass = _align_together(batch_s, batch_t, table, twin) is not None
-    assert one_pass == (case in ("plain", "bos_one_side"))
+    assert one_pass == (case in ("plain", "bos_one_side", "bos_both"))
     for k, (result, ids_s, ids_t) in enumerate(zip(got, batch_s, batch_t)):
         expected = align(ids_s, ids_t, table, twin)
         assert np.array_equal(result.chunks, expected.chunks)

@@ -65,3 +65,45 @@ def test_row_stats_reference_matches_plain_sums():
         out = [c for c in range(70) if c not in ids[r].tolist()]
         assert abs(s[r, 0] - e1.sum()) < 1e-12 and abs(s[r, 1] - e2.sum()) < 1e-12
         assert abs(tail[r, 0] - e2[out].sum()) < 1e-12
+
+
+_INTERPRETED = """
+import torch
+from crossdistill.losses import fused as fz
+g = torch.Generator().manual_seed(0)
+for c, vocab, taus, parts, dtype in [
+    (3, 40000, [1.0], 1, torch.float32), (2, 70001, [1.0, 2.0], 2, torch.float32),
+    (2, 5000, [0.5, 1.0, 3.0], 0, torch.float32), (2, 33000, [1.0], 1, torch.bfloat16),
+]:
+    z = (torch.randn(c, vocab, generator=g) * 3).to(dtype)
+    masks = []
+    for _ in range(parts):
+        ids = torch.stack([torch.randperm(vocab, generator=g)[:7] for _ in range(c)])
+        masks.append(fz.bucket_bits(ids, torch.rand(c, 7, generator=g) > 0.2, vocab))
+    mask_tau = [p % len(taus) for p in range(parts)]
+    got = fz.row_stats_triton(z, taus, masks, mask_tau)
+    want = fz.row_stats_torch(z, taus, masks, mask_tau)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    for a, b in zip(got[2:], want[2:]):
+        assert ((a - b).abs() <= 1e-6 * b.abs()).all()
+    coef = torch.randn(c, len(taus), generator=g)
+    a = fz.logit_grad_triton(z.clone().float(), want[0], taus, coef, torch.float32)
+    b = fz.logit_grad_torch(z.clone().float(), want[0], taus, coef, torch.float32)
+    assert (a - b).abs().max() <= 1e-6 * b.abs().max()
+print("ok")
+"""
+
+
+def test_triton_kernels_match_reference_in_the_interpreter():
+    """The Triton kernels themselves, run by Triton's CPU interpreter where Triton is installed
+    (the GPU tests run them compiled)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-3000:]
