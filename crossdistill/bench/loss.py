@@ -203,7 +203,15 @@ def measure(args) -> dict:
     def ours():
         denominator = (labels >= 0).sum()
         loss = student_loss(
-            hidden, weight, labels, [term], args.kd_ratio, denominator, args.chunk_size, fused=fused
+            hidden,
+            weight,
+            labels,
+            [term],
+            args.kd_ratio,
+            denominator,
+            args.chunk_size,
+            fused=fused,
+            unit_upstream=True,  # as the training step calls it
         )[0]
         loss.backward()
         return loss

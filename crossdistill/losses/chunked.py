@@ -361,11 +361,24 @@ class ChunkedStudentLoss(torch.autograd.Function):
     """Loss of `run_chunks` as an autograd node over (hidden, weight); `extra_loss` (a value whose
     gradient is already folded into `label_coef`) is added to the returned loss. Gradients are
     computed in forward only when `grad_enabled` (the caller's grad mode; inside `forward` it is
-    always off) and the input asks for one. `shard`: the weight is a vocabulary shard."""
+    always off) and the input asks for one. `shard`: the weight is a vocabulary shard.
+    `unit_upstream`: the loss is backpropagated as is (`loss.backward()`), so backward returns
+    the gradients unscaled instead of multiplying them by the upstream gradient (a read and a
+    write of the whole `[V, H]` weight gradient); a device-side assert checks it is 1."""
 
     @staticmethod
     def forward(
-        ctx, hidden, weight, plan, chunk_size, label_coef, extra_loss, grad_enabled, fused, shard
+        ctx,
+        hidden,
+        weight,
+        plan,
+        chunk_size,
+        label_coef,
+        extra_loss,
+        grad_enabled,
+        fused,
+        shard,
+        unit_upstream=False,
     ):
         dtype = compute_dtype(hidden, weight)  # before autocast is switched off below
         need_h = grad_enabled and ctx.needs_input_grad[0]
@@ -376,12 +389,19 @@ class ChunkedStudentLoss(torch.autograd.Function):
             )
         ctx.save_for_backward(grad_h, grad_w)
         ctx.applied = None
+        ctx.unit_upstream = unit_upstream
         ctx.mark_non_differentiable(term_sums, logp_label, argmax)
         return loss + extra_loss, term_sums, logp_label, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
         grad_h, grad_w = ctx.saved_tensors
+        if ctx.unit_upstream:
+            # the caller backpropagates the loss itself (`loss.backward()`): the gradients are
+            # final as computed, and a pass over the V·H weight gradient is saved. Checked on
+            # the device, without a host sync: another upstream gradient stops the run.
+            torch._assert_async(grad_loss == 1)
+            return grad_h, grad_w, *([None] * 8)
         if grad_h is not None:
             grad_h = grad_h * grad_loss.to(grad_h.dtype)
         if grad_w is not None:
@@ -392,7 +412,7 @@ class ChunkedStudentLoss(torch.autograd.Function):
             # foreach: the 0-dim device factor is read once, the pass stays vectorized
             torch._foreach_mul_([grad_w.data], factor.to(grad_w.dtype))
             ctx.applied = grad_loss
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, *([None] * 8)
 
 
 @torch.no_grad()

@@ -79,6 +79,7 @@ def student_loss(
     fused: bool | None = None,
     vocab: VocabShard | None = None,
     rows: RowShard | None = None,
+    unit_upstream: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The student's loss on a flattened micro-batch, and detached metrics.
 
@@ -104,6 +105,10 @@ def student_loss(
     shard; `rows`, `hidden_s` holds this rank's rows while `labels_s` and `kd_terms` cover the
     whole flattened batch. The loss, gradients and metrics are then this rank's parts, which sum
     over ranks to the single-device values.
+
+    `unit_upstream=True` promises that the returned loss itself is backpropagated
+    (`loss.backward()`, as the training step does): backward then skips scaling the gradients
+    by the upstream gradient, a pass over the `[V, H]` weight gradient (checked on the device).
     """
     if backend not in ("chunked", "reference"):
         raise UserError(f"unknown loss backend {backend!r}; use 'chunked' or 'reference'")
@@ -143,7 +148,16 @@ def student_loss(
         extra, cl_sums, cl_coef = chunk_likelihood_coefs(plan, first)
         coef = plan.ce_weight + cl_coef
     loss, term_sums, logp_label, argmax = ChunkedStudentLoss.apply(
-        hidden, lm_head_s, source, chunk_size, coef, extra, torch.is_grad_enabled(), fused, None
+        hidden,
+        lm_head_s,
+        source,
+        chunk_size,
+        coef,
+        extra,
+        torch.is_grad_enabled(),
+        fused,
+        None,
+        unit_upstream,
     )
     plan = source.get()
     if cl_sums is not None:

@@ -280,6 +280,7 @@ def train_step(
                 ce_denominator=ce_den,
                 chunk_size=settings.loss_chunk_size,
                 **shard_kwargs(rows, vocab),
+                **({} if rows is not None or vocab is not None else {"unit_upstream": True}),
             )
         loss.backward()
         for name, value in metrics.items():

@@ -357,3 +357,18 @@ def test_top1_agreement_and_aligned_nll_metrics():
         if labels[r] >= 0
     )
     assert abs(m["ce"].item() - ce / int(ce_count(labels))) < 1e-12
+
+
+def test_unit_upstream_skips_the_scaling_and_checks_it():
+    hidden, weight, labels, terms = terms_for("forward_kl", seed=7)
+    grads = []
+    for unit in (False, True):
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, _ = student_loss(h, w, labels, terms, 0.6, ce_count(labels), 4, unit_upstream=unit)
+        loss.backward()
+        grads.append((h.grad, w.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+    loss, _ = student_loss(h, w, labels, terms, 0.6, ce_count(labels), 4, unit_upstream=True)
+    with pytest.raises(RuntimeError):
+        (2 * loss).backward()  # a scaled upstream gradient is caught, not silently ignored
