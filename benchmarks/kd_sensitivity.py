@@ -11,8 +11,10 @@ two equal-compute students), run for several seeds with, per seed:
   projection). If KD at a given weight helps with this teacher and hurts with the
   cross-tokenizer one, the projection is to blame; if both hurt, the weight is.
 
-Prints one JSON object (held-out bits per byte of every run) and writes it to `--out`/
-`kd_sensitivity.json`. About 6 minutes per seed on 2 CPU cores:
+`--losses` runs other KD losses too (e.g. `chunk_likelihood`, which compares the likelihoods
+of whole aligned chunks and needs no vocabulary projection). Prints one JSON object (held-out bits
+per byte of every run) and writes it to `--out`/`kd_sensitivity.json`. Runs already made in
+`--out` with the same config are reused. About 6 minutes per seed on 2 CPU cores:
 
     python benchmarks/kd_sensitivity.py --seeds 0 1 2 --kd-ratios 0.2 0.5 --out runs/kd
 """
@@ -29,7 +31,13 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def run_seed(out: Path, seed: int, kd_ratios: list[float]) -> dict:
+def run_seed(
+    out: Path,
+    seed: int,
+    kd_ratios: list[float],
+    losses: tuple[str, ...] = ("forward_kl",),
+    which: tuple[str, ...] = ("cross", "same"),
+) -> dict:
     from crossdistill.models import load_tokenizer
     from crossdistill.train import demo
     from crossdistill.train.demo_assets import train_demo_tokenizers
@@ -52,21 +60,24 @@ def run_seed(out: Path, seed: int, kd_ratios: list[float]) -> dict:
     student = demo._model(s, student_tok, v_s)
     cfg = demo.stage_config(out, "student_ce", student, s["steps"], s["lr"], seed, evals)
     result["ce_only_bpb"] = demo._run_stage(cfg, reuse=True)["val/bpb/student"]
-    for name in teachers:
-        entry = {
-            "name": "teacher",
-            "path": str(out / f"teacher_{name}" / "final"),
-            "dtype": "float32",
-            "loss": "forward_kl",
-            "top_k": demo.DEMO["top_k"],
-            "temperature": 1.0,
-        }
-        for ratio in kd_ratios:
-            cfg = demo.stage_config(
-                out, f"kd_{name}_{ratio}", student, s["steps"], s["lr"], seed, evals, [entry]
-            )
-            cfg.train.kd_ratio = ratio
-            result[f"kd_{name}_{ratio}_bpb"] = demo._run_stage(cfg, reuse=True)["val/bpb/student"]
+    for name in which:
+        for loss in losses:
+            entry = {
+                "name": "teacher",
+                "path": str(out / f"teacher_{name}" / "final"),
+                "dtype": "float32",
+                "loss": loss,
+                "top_k": demo.DEMO["top_k"],
+                "temperature": 1.0,
+            }
+            tag = name if loss == "forward_kl" else f"{name}_{loss}"
+            for ratio in kd_ratios:
+                cfg = demo.stage_config(
+                    out, f"kd_{tag}_{ratio}", student, s["steps"], s["lr"], seed, evals, [entry]
+                )
+                cfg.train.kd_ratio = ratio
+                final = demo._run_stage(cfg, reuse=True)
+                result[f"kd_{tag}_{ratio}_bpb"] = final["val/bpb/student"]
     return result
 
 
@@ -76,13 +87,19 @@ def main() -> int:
     )
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--kd-ratios", type=float, nargs="+", default=[0.2, 0.5])
+    p.add_argument("--losses", nargs="+", default=["forward_kl"], help="KD losses to run")
+    p.add_argument("--teachers", nargs="+", default=["cross", "same"], choices=["cross", "same"])
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     out = Path(args.out)
     t0 = time.perf_counter()
     rows = []
     for seed in args.seeds:
-        rows.append(run_seed(out / f"seed{seed}", seed, args.kd_ratios))
+        rows.append(
+            run_seed(
+                out / f"seed{seed}", seed, args.kd_ratios, tuple(args.losses), tuple(args.teachers)
+            )
+        )
         print(json.dumps(rows[-1]), flush=True)
     summary = {"runs": rows, "seconds": round(time.perf_counter() - t0, 1)}
     (out / "kd_sensitivity.json").write_text(json.dumps(summary, indent=2) + "\n")
