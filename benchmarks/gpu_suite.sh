@@ -2,8 +2,10 @@
 # The GPU benchmark suite: GPU tests, device ceilings, the loss benchmark, and the full step
 # benchmark for the shipped teacher/student setups, each beside its naive baseline.
 # Usage (on a CUDA machine, from the repository root):
-#   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="tests step2048"] bash benchmarks/gpu_suite.sh
+#   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="tests step2048"] \
+#       [EXTRA="--loss-chunk-size 2048" TAG=-name] bash benchmarks/gpu_suite.sh
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
+# EXTRA: more `bench step` arguments for the step2048 stage, TAG: a suffix for its file name.
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
 #   tests ceilings loss step2048 multi step4096
 set -uo pipefail
@@ -20,13 +22,14 @@ step() {  # name, then bench step arguments
 }
 if stage tests; then
     $py -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_attention.py \
-        tests/unit/test_losses_gpu.py tests/unit/test_losses_targets.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
+        tests/unit/test_losses_gpu.py tests/unit/test_losses_targets.py \
+        tests/unit/test_losses_fused.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
 fi
 stage ceilings && $py benchmarks/device_ceilings.py | tee "$OUT/ceilings-$stamp.json"
 if stage loss; then
-    for c in 2048 3072 4096; do
-        $py -m crossdistill bench loss --device cuda --json --repeats 7 --chunk-size $c \
-            $([[ $c == 3072 ]] && echo --profile) | tee "$OUT/loss-chunk$c-$stamp.json"
+    for c in 2048 2752 4096; do
+        $py -m crossdistill bench loss --device cuda --json --repeats 15 --chunk-size $c \
+            $([[ $c == 2048 ]] && echo --profile) | tee "$OUT/loss-chunk$c-$stamp.json"
     done
 fi
 S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
