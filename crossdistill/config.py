@@ -62,6 +62,9 @@ class ModelConfig:
 class StudentConfig(ModelConfig):
     dtype: str = "float32"  # master weights; compute runs under autocast on GPU
     activation_checkpointing: bool = False
+    # with activation_checkpointing: recompute only the first N blocks (0 = every block); a
+    # few blocks buy back memory at a fraction of the full recomputation's cost
+    activation_checkpointing_blocks: int = 0
 
 
 @dataclass

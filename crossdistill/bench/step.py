@@ -72,6 +72,12 @@ def add_parser(subparsers) -> None:
         help="torch.compile every transformer block (student and teachers), as `compile: true`",
     )
     p.add_argument(
+        "--checkpoint-blocks",
+        type=int,
+        default=0,
+        help="recompute the first N student blocks in backward (memory for a little time)",
+    )
+    p.add_argument(
         "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"
     )
     p.add_argument("--device", default="cuda")
@@ -194,6 +200,7 @@ def _finish(result: dict, bench, args) -> None:
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         compile=args.compile,
+        checkpoint_blocks=args.checkpoint_blocks,
         teacher_tokens_per_student_token=bench.teacher_ratio,
     )
     for key in ("", "naive_"):

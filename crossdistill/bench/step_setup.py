@@ -100,6 +100,11 @@ def build_bench(args) -> Bench:
         autocast=device.type == "cuda",
         device=device,
     )
+    if args.checkpoint_blocks:
+        from crossdistill.distributed.parallelize import apply_activation_checkpointing
+
+        student.train()
+        apply_activation_checkpointing(student, args.checkpoint_blocks)
     if args.compile:
         from crossdistill.distributed.parallelize import apply_compile
 
@@ -287,6 +292,9 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
     for model in [bench.student] + [s.teacher.model for s in bench.slots]:
         set_attention(model, "sdpa")  # transformers' default: the block mask from positions
         remove_compile(model)  # plain eager modules
+        for module in model.modules():  # and no recomputation (`--checkpoint-blocks`)
+            if getattr(module, "gradient_checkpointing", False):
+                module.gradient_checkpointing = False
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")

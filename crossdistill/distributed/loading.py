@@ -43,6 +43,7 @@ def build_parallel_model(
     trainable: bool,
     seed: int,
     activation_checkpointing: bool = False,
+    checkpoint_blocks: int = 0,
     compile_blocks: bool = False,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
@@ -52,6 +53,7 @@ def build_parallel_model(
     options = {
         "trainable": trainable,
         "activation_checkpointing": activation_checkpointing,
+        "checkpoint_blocks": checkpoint_blocks,
         "compile_blocks": compile_blocks,
         "reshard_after_forward": reshard_after_forward,
         "param_dtype": param_dtype,

@@ -89,9 +89,13 @@ def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
     set_attention(model, CP_ATTENTION)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
-    """Recompute each block's activations in backward (non-reentrant, per block)."""
+def apply_activation_checkpointing(model: nn.Module, blocks: int = 0) -> None:
+    """Recompute each block's activations in backward (non-reentrant, per block); `blocks` > 0:
+    only the first `blocks` blocks."""
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if blocks > 0:
+        for layer in list(decoder_layers(model))[blocks:]:
+            layer.gradient_checkpointing = False
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -184,6 +188,7 @@ def parallelize_model(
     compile_blocks: bool = False,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
+    checkpoint_blocks: int = 0,
 ) -> nn.Module:
     """Apply `layout` in place: TP, CP, activation checkpointing, compile, then FSDP.
     `reshard_after_forward=False` keeps each block gathered from its forward to its backward
@@ -192,7 +197,7 @@ def parallelize_model(
     are still reduced in float32)."""
     if mesh is None:
         if activation_checkpointing:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, checkpoint_blocks)
         if compile_blocks:
             apply_compile(model)
         return model
@@ -201,7 +206,7 @@ def parallelize_model(
     if layout.cp > 1:
         apply_cp(model, mesh["cp"])
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, checkpoint_blocks)
     if compile_blocks:
         apply_compile(model)
     dp_mesh = fsdp_mesh(layout, mesh, trainable)

@@ -81,6 +81,7 @@ def parallel_models(
         trainable=True,
         seed=cfg.train.seed,
         activation_checkpointing=s.activation_checkpointing,
+        checkpoint_blocks=s.activation_checkpointing_blocks,
         compile_blocks=bool(getattr(s, "compile", False)),
         reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype,

@@ -181,9 +181,9 @@ def _single_models(cfg: Config, device: torch.device) -> nn.Module:
         seed=cfg.train.seed,
     )
     if s.activation_checkpointing:
-        student.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}
-        )
+        from crossdistill.distributed.parallelize import apply_activation_checkpointing
+
+        apply_activation_checkpointing(student, s.activation_checkpointing_blocks)
     if getattr(s, "compile", False):
         from crossdistill.distributed.parallelize import apply_compile
 

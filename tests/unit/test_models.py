@@ -109,3 +109,31 @@ def test_packed_documents_do_not_attend_across(arch):
     # and the contrary holds without the restart: the check above has teeth
     h_joined = final_hidden(model, packed, torch.arange(16).unsqueeze(0))
     assert not torch.allclose(h_joined[:, 7:], h_b, atol=1e-3)
+
+
+def test_checkpointing_the_first_blocks_keeps_gradients():
+    """Recomputing only the first N blocks in backward changes memory, not the gradients."""
+    from crossdistill.distributed.parallelize import apply_activation_checkpointing, decoder_layers
+
+    ids = torch.randint(0, 512, (2, 16))
+    grads = []
+    for blocks in (None, 1, 0):
+        model = build_causal_lm(arch="tiny-llama", seed=0)
+        if blocks is not None:
+            apply_activation_checkpointing(model, blocks)
+        flags = [
+            bool(getattr(layer, "gradient_checkpointing", False)) for layer in decoder_layers(model)
+        ]
+        assert (
+            flags
+            == {
+                None: [False] * len(flags),
+                1: [True] + [False] * (len(flags) - 1),
+                0: [True] * len(flags),
+            }[blocks]
+        )
+        model(ids).logits.float().pow(2).mean().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
