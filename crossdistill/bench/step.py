@@ -254,6 +254,8 @@ def _print_table(result: dict) -> None:
         "loader_fraction",
         "loss_fraction",
         "loss_fraction_beyond_lm_head",
+        "student_loss_fraction",
+        "teacher_targets_fraction",
         "naive_tokens_per_s",
         "naive_mfu",
         "naive_peak_gib",

@@ -273,7 +273,13 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
     loss_time = sum(
         v for k, v in timer.totals.items() if k.startswith("teacher_targets") or k == "student_loss"
     )
-    out["loss_fraction"] = loss_time / total
+    out["loss_fraction"] = loss_time / total  # both loss phases: student pass + teacher targets
+    # the student's pass alone (CE and every teacher's KD terms, lm_head forward and backward
+    # included), and the teachers' top-k extraction (their lm_head and top-k)
+    out["student_loss_fraction"] = timer.totals.get("student_loss", 0.0) / total
+    out["teacher_targets_fraction"] = (
+        sum(v for k, v in timer.totals.items() if k.startswith("teacher_targets")) / total
+    )
     return out
 
 
