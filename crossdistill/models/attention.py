@@ -14,7 +14,9 @@ segments come with the forward's keyword arguments (`segment_kwargs`: `cu_seq_le
 `position_ids` (a new segment wherever a position is not its predecessor + 1, as transformers
 itself detects packing; this costs one host sync for the longest length). Where flash cannot
 run (no CUDA, float32, head dim > 256, a torch without `torch.nn.attention.varlen`) the same
-function runs SDPA with the equivalent block-causal mask, so results agree on every device.
+function runs SDPA with the equivalent block-causal mask, so results agree on every device; so
+do sliding-window layers (Mistral, Gemma-3's local layers) when a segment is longer than the
+window.
 """
 
 from __future__ import annotations
@@ -166,8 +168,11 @@ def varlen_attention(
     else:
         max_len = int(kwargs["max_length_q"])
     b, h, t, d = query.shape
-    if not _flash_ok(query, scaling):
-        return _masked_sdpa(query, key, value, cu, scaling), None
+    window = kwargs.get("sliding_window")  # Mistral, Gemma-3 local layers: keys within W
+    if window is not None and window >= max_len:
+        window = None  # no segment is longer than the window: plain causal
+    if window is not None or not _flash_ok(query, scaling):
+        return _masked_sdpa(query, key, value, cu, scaling, window), None
     q = query.transpose(1, 2).reshape(b * t, h, d)
     k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
     v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
@@ -201,14 +206,23 @@ def _positions(kwargs: dict[str, Any], query: Tensor) -> Tensor:
 
 
 def _masked_sdpa(
-    query: Tensor, key: Tensor, value: Tensor, cu: Tensor, scaling: float | None
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    cu: Tensor,
+    scaling: float | None,
+    window: int | None = None,
 ) -> Tensor:
-    """The same attention through SDPA and a block-causal mask built from the segments."""
+    """The same attention through SDPA and a block-causal mask built from the segments;
+    `window`: each query sees only the `window` latest keys (itself included), as transformers'
+    sliding-window layers do."""
     b, h, t, _ = query.shape
     cu = cu.to(query.device)
     flat = torch.arange(b * t, device=query.device)
     seg = torch.bucketize(flat, cu[1:], right=True).view(b, t)
     causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    if window is not None:
+        causal = causal & ~torch.ones_like(causal).tril(-window)
     mask = (seg[:, :, None] == seg[:, None, :]) & causal
     out = F.scaled_dot_product_attention(
         query, key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=key.shape[1] != h

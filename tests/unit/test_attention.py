@@ -137,3 +137,22 @@ def test_flash_varlen_matches_float64_reference(heads, backend, monkeypatch):
     for leaf, ref in zip(leaves, grads):
         e = (leaf.grad.double().cpu() - ref).abs().max() / ref.abs().max()
         assert e < 3e-2
+
+
+def test_sliding_window_layers_keep_their_window():
+    """A sliding-window model (Mistral-style, window 4 here) under varlen attention gives
+    transformers' own sliding-window SDPA result on packed rows; without the window it would
+    not."""
+    model = build_causal_lm(
+        arch="tiny-mistral", seed=0, attn_implementation="sdpa", overrides={"sliding_window": 4}
+    )
+    ids, pos, doc = _packed(seed=9)
+    real = torch.as_tensor(doc >= 0)
+    want = final_hidden(model, ids, pos)
+    set_attention(model, "varlen")
+    cu, longest = segments_from_docs(doc)
+    got = final_hidden(model, ids, pos, (torch.as_tensor(cu), longest))
+    torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-5)
+    model.config.sliding_window = None
+    full = final_hidden(model, ids, pos, (torch.as_tensor(cu), longest))
+    assert not torch.allclose(full[real], want[real], atol=1e-3)
