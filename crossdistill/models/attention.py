@@ -34,10 +34,22 @@ VARLEN = "crossdistill_varlen"
 ATTENTION_CHOICES = ("auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
 
 
-def resolve_attention(name: str) -> str:
+def resolve_attention(name: str, config: Any = None) -> str:
     """The transformers implementation name for a config value: `auto` and `varlen` mean the
-    varlen path (it falls back to masked SDPA by itself where flash cannot run)."""
+    varlen path (it falls back to masked SDPA by itself where flash cannot run). A model with
+    attention-logit soft-capping (Gemma-2) needs transformers' eager attention, which applies
+    it: `auto` picks that, `varlen` is refused."""
+    capped = getattr(config, "attn_logit_softcapping", None) is not None
+    if name == "auto" and capped:
+        return "eager"
     if name in ("auto", "varlen"):
+        if capped:
+            from crossdistill.errors import UserError
+
+            raise UserError(
+                "varlen attention does not apply attention-logit soft-capping, which this "
+                "model uses; set attn_implementation: auto (or eager)"
+            )
         register_varlen()
         return VARLEN
     return name

@@ -119,7 +119,7 @@ def build_meta_model(
     from crossdistill.models.attention import resolve_attention
 
     config = resolve_hf_config(path, arch, overrides)
-    config._attn_implementation = resolve_attention(attn_implementation)
+    config._attn_implementation = resolve_attention(attn_implementation, config)
     with torch.device("meta"):
         try:
             model = AutoModelForCausalLM.from_config(config, **{_DTYPE_KWARG: dtype})

@@ -156,3 +156,17 @@ def test_sliding_window_layers_keep_their_window():
     model.config.sliding_window = None
     full = final_hidden(model, ids, pos, (torch.as_tensor(cu), longest))
     assert not torch.allclose(full[real], want[real], atol=1e-3)
+
+
+def test_soft_capped_models_get_eager_attention():
+    """Gemma-2 caps attention logits, which only transformers' eager attention applies."""
+    from types import SimpleNamespace
+
+    from crossdistill.errors import UserError
+    from crossdistill.models.attention import resolve_attention
+
+    capped = SimpleNamespace(attn_logit_softcapping=50.0)
+    assert resolve_attention("auto", capped) == "eager"
+    assert resolve_attention("auto", SimpleNamespace()) == VARLEN
+    with pytest.raises(UserError, match="soft-capping"):
+        resolve_attention("varlen", capped)
