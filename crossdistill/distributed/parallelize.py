@@ -108,6 +108,21 @@ def apply_compile(model: nn.Module) -> None:
         layer.compile(dynamic=True)
 
 
+def apply_block_options(
+    model: nn.Module,
+    *,
+    activation_checkpointing: bool = False,
+    checkpoint_blocks: int = 0,
+    compile_blocks: bool = False,
+) -> None:
+    """Per-block options a model gets on one device as under any layout: activation
+    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all), then compiling."""
+    if activation_checkpointing:
+        apply_activation_checkpointing(model, checkpoint_blocks)
+    if compile_blocks:
+        apply_compile(model)
+
+
 def remove_compile(model: nn.Module) -> None:
     """Undo `apply_compile` (the blocks run eagerly again)."""
     for layer in decoder_layers(model):
@@ -195,20 +210,19 @@ def parallelize_model(
     (no second all-gather; memory of the full model per rank, as plain data parallelism).
     `param_dtype`: FSDP gathers parameters in this dtype (bf16 halves the traffic; gradients
     are still reduced in float32)."""
+    options = {
+        "activation_checkpointing": activation_checkpointing,
+        "checkpoint_blocks": checkpoint_blocks,
+        "compile_blocks": compile_blocks,
+    }
     if mesh is None:
-        if activation_checkpointing:
-            apply_activation_checkpointing(model, checkpoint_blocks)
-        if compile_blocks:
-            apply_compile(model)
+        apply_block_options(model, **options)
         return model
     if layout.tp > 1:
         apply_tp(model, mesh["tp"])
     if layout.cp > 1:
         apply_cp(model, mesh["cp"])
-    if activation_checkpointing:
-        apply_activation_checkpointing(model, checkpoint_blocks)
-    if compile_blocks:
-        apply_compile(model)
+    apply_block_options(model, **options)
     dp_mesh = fsdp_mesh(layout, mesh, trainable)
     if dp_mesh is not None:
         apply_fsdp(

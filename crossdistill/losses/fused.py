@@ -105,7 +105,7 @@ def _kernels():
     @triton.jit
     def grad(
         z_ptr, stride_z, g_ptr, stride_g, vocab, max_ptr, inv_tau_ptr, coef_ptr,
-        T: tl.constexpr, TP: tl.constexpr, BLOCK: tl.constexpr,
+        T: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -212,7 +212,7 @@ def logit_grad_triton(z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, 
     grid = (c, triton.cdiv(vocab, BLOCK_GRAD))
     grad[grid](
         z, z.stride(0), out, out.stride(0), vocab, zmax, inv_tau, coef.float().contiguous(),
-        T=len(taus), TP=_pow2(len(taus)), BLOCK=BLOCK_GRAD, num_warps=8,
+        T=len(taus), BLOCK=BLOCK_GRAD, num_warps=8,
     )  # fmt: skip
     return out
 

@@ -70,6 +70,49 @@ def _logits(hidden: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:
     return (hidden @ weight.t()).to(out_dtype)
 
 
+def _acc(hidden_t: Tensor) -> torch.dtype:
+    return torch.float64 if hidden_t.dtype == torch.float64 else torch.float32
+
+
+def _buffers(hidden_t: Tensor, top_k: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per teacher row: top-k log-probs `[N_t, K]`, top-k ids `[N_t, K]`, tail `[N_t]`,
+    next-token log-prob `[N_t]`, filled chunk by chunk."""
+    n, dev, acc = hidden_t.shape[0], hidden_t.device, _acc(hidden_t)
+    return (
+        torch.empty(n, top_k, dtype=acc, device=dev),
+        torch.empty(n, top_k, dtype=torch.int64, device=dev),
+        torch.empty(n, dtype=acc, device=dev),
+        torch.empty(n, dtype=acc, device=dev),
+    )
+
+
+def _tail_floor(top_k: int, width: int) -> float:
+    """float32's smallest normal when a tail exists (its log stays finite), else 0."""
+    return torch.finfo(torch.float32).tiny if top_k < width else 0.0
+
+
+def _gathered(
+    top_ids: Tensor,
+    top_lp: Tensor,
+    tail: Tensor,
+    next_lp: Tensor,
+    kd_index_t: Tensor,
+    next_ids_t: Tensor,
+    temperature: float,
+) -> TeacherTargets:
+    """The per-row results at the KD rows (top-k, tail) and everywhere (next token)."""
+    rows = kd_index_t.clamp(min=0)
+    next_valid = next_ids_t >= 0
+    return TeacherTargets(
+        topk_ids=top_ids[rows].to(torch.int32),
+        topk_logprobs=top_lp[rows],
+        tail_logprob=tail[rows],
+        next_logprobs=torch.where(next_valid, next_lp, 0.0),
+        next_valid=next_valid,
+        temperature=float(temperature),
+    )
+
+
 @torch.no_grad()
 def teacher_targets(
     hidden_t: Tensor,
@@ -93,22 +136,18 @@ def teacher_targets(
     `vocab`: `lm_head_t` holds this rank's vocabulary rows only (tensor parallelism); softmax
     statistics are combined across ranks and the top-k is the top-k of every rank's top-k.
     """
+    width = vocab.total if vocab is not None else lm_head_t.shape[0]
+    if not 0 < top_k <= width:
+        raise UserError(f"top_k must be in [1, {width}] (the teacher vocabulary), got {top_k}")
+    if temperature <= 0:
+        raise UserError(f"temperature must be > 0, got {temperature}")
     if vocab is not None:
         return _sharded_targets(
             hidden_t, lm_head_t, kd_index_t, next_ids_t, top_k, temperature, chunk_size, vocab
         )
-    num_rows, vocab = hidden_t.shape[0], lm_head_t.shape[0]
-    if not 0 < top_k <= vocab:
-        raise UserError(f"top_k must be in [1, {vocab}] (the teacher vocabulary), got {top_k}")
-    if temperature <= 0:
-        raise UserError(f"temperature must be > 0, got {temperature}")
-    acc = torch.float64 if hidden_t.dtype == torch.float64 else torch.float32
-    top_lp = torch.empty(num_rows, top_k, dtype=acc, device=hidden_t.device)
-    top_ids = torch.empty(num_rows, top_k, dtype=torch.int64, device=hidden_t.device)
-    tail = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
-    next_lp = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
-    next_valid = next_ids_t >= 0
-    tail_floor = torch.finfo(torch.float32).tiny if top_k < vocab else 0.0
+    num_rows, acc = hidden_t.shape[0], _acc(hidden_t)
+    top_lp, top_ids, tail, next_lp = _buffers(hidden_t, top_k)
+    tail_floor = _tail_floor(top_k, width)
     fused = _use_fused(hidden_t)
     for r0 in range(0, num_rows, chunk_size):
         r1 = min(r0 + chunk_size, num_rows)
@@ -128,15 +167,7 @@ def teacher_targets(
         tail[r0:r1] = e.sum(1).clamp(min=tail_floor).log() - log_s
         top_lp[r0:r1] = (vals - zmax) / temperature - log_s.unsqueeze(1)
         top_ids[r0:r1] = ids
-    rows = kd_index_t.clamp(min=0)
-    return TeacherTargets(
-        topk_ids=top_ids[rows].to(torch.int32),
-        topk_logprobs=top_lp[rows],
-        tail_logprob=tail[rows],
-        next_logprobs=torch.where(next_valid, next_lp, 0.0),
-        next_valid=next_valid,
-        temperature=float(temperature),
-    )
+    return _gathered(top_ids, top_lp, tail, next_lp, kd_index_t, next_ids_t, temperature)
 
 
 def _use_fused(hidden_t: Tensor) -> bool:
@@ -181,21 +212,11 @@ def _sharded_targets(
     chunk_size: int,
     vocab: VocabShard,
 ) -> TeacherTargets:
-    """`teacher_targets` with the vocabulary split over ranks (`lm_head_t [V_t/tp, H_t]`)."""
-    if not 0 < top_k <= vocab.total:
-        raise UserError(
-            f"top_k must be in [1, {vocab.total}] (the teacher vocabulary), got {top_k}"
-        )
-    if temperature <= 0:
-        raise UserError(f"temperature must be > 0, got {temperature}")
-    num_rows = hidden_t.shape[0]
-    acc = torch.float64 if hidden_t.dtype == torch.float64 else torch.float32
-    top_lp = torch.empty(num_rows, top_k, dtype=acc, device=hidden_t.device)
-    top_ids = torch.empty(num_rows, top_k, dtype=torch.int64, device=hidden_t.device)
-    tail = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
-    next_lp = torch.empty(num_rows, dtype=acc, device=hidden_t.device)
-    next_valid = next_ids_t >= 0
-    tail_floor = torch.finfo(torch.float32).tiny if top_k < vocab.total else 0.0
+    """`teacher_targets` with the vocabulary split over ranks (`lm_head_t [V_t/tp, H_t]`);
+    arguments already checked there."""
+    num_rows, acc = hidden_t.shape[0], _acc(hidden_t)
+    top_lp, top_ids, tail, next_lp = _buffers(hidden_t, top_k)
+    tail_floor = _tail_floor(top_k, vocab.total)
     for r0 in range(0, num_rows, chunk_size):
         r1 = min(r0 + chunk_size, num_rows)
         z = _logits(hidden_t[r0:r1], lm_head_t, acc)  # [c, V_t/tp]
@@ -210,15 +231,7 @@ def _sharded_targets(
         tail[r0:r1] = s_tail.clamp(min=tail_floor).log() - log_s
         top_lp[r0:r1] = (vals - zmax) / temperature - log_s.unsqueeze(1)
         top_ids[r0:r1] = ids
-    rows = kd_index_t.clamp(min=0)
-    return TeacherTargets(
-        topk_ids=top_ids[rows].to(torch.int32),
-        topk_logprobs=top_lp[rows],
-        tail_logprob=tail[rows],
-        next_logprobs=torch.where(next_valid, next_lp, 0.0),
-        next_valid=next_valid,
-        temperature=float(temperature),
-    )
+    return _gathered(top_ids, top_lp, tail, next_lp, kd_index_t, next_ids_t, temperature)
 
 
 def next_token_nll(targets: TeacherTargets, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:

@@ -228,15 +228,16 @@ def _masked_sdpa(
     """The same attention through SDPA and a block-causal mask built from the segments;
     `window`: each query sees only the `window` latest keys (itself included), as transformers'
     sliding-window layers do."""
+    from crossdistill.data.batch import block_causal_mask
+
     b, h, t, _ = query.shape
     cu = cu.to(query.device)
     flat = torch.arange(b * t, device=query.device)
-    seg = torch.bucketize(flat, cu[1:], right=True).view(b, t)
-    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    seg = torch.bucketize(flat, cu[1:], right=True).view(b, t)  # segment of each position
+    mask = block_causal_mask(seg)  # [B, 1, T, T]
     if window is not None:
-        causal = causal & ~torch.ones_like(causal).tril(-window)
-    mask = (seg[:, :, None] == seg[:, None, :]) & causal
+        mask = mask & ~torch.ones(t, t, dtype=torch.bool, device=query.device).tril(-window)
     out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask[:, None], scale=scaling, enable_gqa=key.shape[1] != h
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != h
     )
     return out.transpose(1, 2).contiguous()

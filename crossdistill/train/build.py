@@ -180,14 +180,14 @@ def _single_models(cfg: Config, device: torch.device) -> nn.Module:
         attn_implementation=s.attn_implementation,
         seed=cfg.train.seed,
     )
-    if s.activation_checkpointing:
-        from crossdistill.distributed.parallelize import apply_activation_checkpointing
+    from crossdistill.distributed.parallelize import apply_block_options
 
-        apply_activation_checkpointing(student, s.activation_checkpointing_blocks)
-    if getattr(s, "compile", False):
-        from crossdistill.distributed.parallelize import apply_compile
-
-        apply_compile(student)
+    apply_block_options(
+        student,
+        activation_checkpointing=s.activation_checkpointing,
+        checkpoint_blocks=s.activation_checkpointing_blocks,
+        compile_blocks=s.compile,
+    )
     return student
 
 
@@ -201,8 +201,7 @@ def _single_teacher(cfg: Config, t: TeacherConfig, device: torch.device) -> nn.M
         attn_implementation=t.attn_implementation,
         seed=cfg.train.seed + 1,
     )
-    if t.compile:
-        from crossdistill.distributed.parallelize import apply_compile
+    from crossdistill.distributed.parallelize import apply_block_options
 
-        apply_compile(model)
+    apply_block_options(model, compile_blocks=t.compile)
     return model

@@ -280,7 +280,7 @@ def train_step(
                 ce_denominator=ce_den,
                 chunk_size=settings.loss_chunk_size,
                 **shard_kwargs(rows, vocab),
-                **({} if rows is not None or vocab is not None else {"unit_upstream": True}),
+                unit_upstream=True,  # backpropagated as is, right below
             )
         loss.backward()
         for name, value in metrics.items():
