@@ -49,7 +49,35 @@ def profile_steps(step: Callable[[], None], steps: int, cuda: bool, top: int = 2
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    return summarize(prof.key_averages(), wall, steps, cuda, top)
+    out = summarize(prof.key_averages(), wall, steps, cuda, top)
+    if cuda:
+        spans = [
+            (e.time_range.start, e.time_range.end, e.name)
+            for e in prof.events()
+            if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > 0
+        ]
+        out["gaps"] = largest_gaps(spans, steps)
+    return out
+
+
+def largest_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 10) -> list[dict]:
+    """Where the device waits: idle intervals between kernels (`(start_us, end_us, name)`, any
+    stream), summed per (kernel before, kernel after) pair, in ms per step, largest first. Long
+    gaps after the same kernel point at the host work (or a sync) that follows it."""
+    totals: dict[tuple[str, str], list[float]] = {}
+    last_end, last_name = None, ""
+    for start, end, name in sorted(spans):
+        if last_end is not None and start > last_end:
+            entry = totals.setdefault((last_name[:80], name[:80]), [0.0, 0])
+            entry[0] += (start - last_end) / 1e3 / steps
+            entry[1] += 1
+        if last_end is None or end >= last_end:
+            last_end, last_name = end, name
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])[:top]
+    return [
+        {"ms": round(ms, 3), "count": count // max(steps, 1), "after": a, "before": b}
+        for (a, b), (ms, count) in rows
+    ]
 
 
 def find_syncs(step: Callable[[], None]) -> list[dict]:
@@ -123,4 +151,8 @@ def format_profile(p: dict) -> str:
     ]
     for row in p["top"]:
         lines.append(f"  {row['ms']:8.2f} ms  {row['calls']:5d}x  {row['kind']:12s} {row['name']}")
+    if p.get("gaps"):
+        lines.append("  device idle, largest gaps (after -> before):")
+        for g in p["gaps"]:
+            lines.append(f"  {g['ms']:8.2f} ms  {g['count']:5d}x  {g['after']} -> {g['before']}")
     return "\n".join(lines)

@@ -26,6 +26,8 @@ ABLATIONS = {
     "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
     "eager": "no torch.compile (with --compile)",
     "torch-varlen": "torch.nn.attention.varlen_attn (its own backend choice) for varlen attention",
+    "fp32-queries": "attention of the float32 student in float32 under autocast (misses flash: "
+    "the masked path over all T² scores)",
 }
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
@@ -52,7 +54,13 @@ def add_parser(subparsers) -> None:
     p.add_argument("--teacher-tokenizer", action="append", default=[], help="one per --teacher")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument(
+        "--grad-accum",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (ours and the naive step alike)",
+    )
+    p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--loss", default="forward_kl")
@@ -158,16 +166,17 @@ def run(args: argparse.Namespace) -> int:
         profiled_step,
         timed_steps,
     )
+    from crossdistill.errors import UserError
 
     if len(args.teacher) != len(args.teacher_tokenizer):
-        from crossdistill.errors import UserError
-
         raise UserError("give one --teacher-tokenizer per --teacher")
+    if args.grad_accum < 1:
+        raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     bench = build_bench(args)
     result = timed_steps(bench, args)
     result.update(profiled_step(bench, args))
     if args.profile:
-        result["profile"] = profile_real_step(bench)
+        result["profile"] = profile_real_step(bench, args)
     for name in args.ablate:
         result.update(ablated_steps(bench, args, name))
     if args.baseline == "naive":
@@ -199,6 +208,7 @@ def _finish(result: dict, bench, args) -> None:
         teachers=args.teacher,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
+        grad_accum=args.grad_accum,
         compile=args.compile,
         checkpoint_blocks=args.checkpoint_blocks,
         teacher_tokens_per_student_token=bench.teacher_ratio,
@@ -220,7 +230,7 @@ def _finish(result: dict, bench, args) -> None:
     if rate and "ms/student_loss" in result:
         # the loss phases hold the lm_head matmuls any step runs (the student's three, each
         # teacher's one): what the loss adds beyond them, at the matmul rate of this run
-        tokens = args.seq_len * args.micro_batch
+        tokens = args.seq_len * args.micro_batch * args.grad_accum  # per optimizer step
         head = 3 * 2 * tokens * _lm_head_size(bench.student)
         head += sum(
             2 * tokens * r * _lm_head_size(t.teacher.model)
@@ -247,6 +257,7 @@ def _print_table(result: dict) -> None:
         "teachers",
         "seq_len",
         "micro_batch",
+        "grad_accum",
         "tokens_per_s",
         "mfu",
         "fraction_of_measured_matmul",

@@ -15,7 +15,7 @@ import torch
 from crossdistill.config import DataConfig, OptimConfig, TeacherConfig
 from crossdistill.losses import kd_count, student_loss
 from crossdistill.models import Teacher, build_causal_lm, load_tokenizer
-from crossdistill.models.attention import segments_of, set_attention
+from crossdistill.models.attention import compute_dtype, segments_of, set_attention
 from crossdistill.models.forward import final_hidden
 from crossdistill.train.optim import build_optimizer
 from crossdistill.train.step import StepSettings, TeacherSlot, make_term, train_step
@@ -62,7 +62,7 @@ def build_bench(args) -> Bench:
 
     device = torch.device(args.device)
     workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
-    steps = args.warmup + args.steps + 4
+    steps = (args.warmup + args.steps) * args.grad_accum + 4
     corpus = _corpus(Path(workdir.name), min_bytes=steps * args.micro_batch * args.seq_len * 5)
     tok_s = load_tokenizer(args.student_tokenizer)
     toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
@@ -123,8 +123,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _one_step(bench: Bench, batch) -> None:
-    train_step(bench.student, bench.slots, [batch], bench.settings)
+def _next_window(bench: Bench, args) -> list:
+    """The micro-batches of one optimizer step, on the device."""
+    return [next(bench.loader).to(bench.device, non_blocking=True) for _ in range(args.grad_accum)]
+
+
+def _one_step(bench: Bench, window: list) -> None:
+    train_step(bench.student, bench.slots, window, bench.settings)
     torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
     bench.optimizer.step()
     bench.optimizer.zero_grad(set_to_none=True)
@@ -134,7 +139,7 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     """Warm-up, then `args.steps` real steps; the loader's blocking time is measured apart."""
     dev = bench.device
     for _ in range(args.warmup):
-        _one_step(bench, next(bench.loader).to(dev, non_blocking=True))
+        _one_step(bench, _next_window(bench, args))
     _sync(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -143,10 +148,10 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         w0 = time.perf_counter()
-        batch = next(bench.loader).to(dev, non_blocking=True)
+        window = _next_window(bench, args)
         wait += time.perf_counter() - w0
-        tokens += batch.student.input_ids.numel()
-        _one_step(bench, batch)
+        tokens += sum(mb.student.input_ids.numel() for mb in window)
+        _one_step(bench, window)
     _sync(dev)
     total = time.perf_counter() - t0
     out = {
@@ -159,14 +164,14 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     return out
 
 
-def profile_real_step(bench: Bench, steps: int = 2) -> dict:
+def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
     """`torch.profiler` over real steps (see `crossdistill.bench.profile`)."""
     from crossdistill.bench.profile import find_syncs, profile_steps
 
     dev = bench.device
 
     def step():
-        _one_step(bench, next(bench.loader).to(dev, non_blocking=True))
+        _one_step(bench, _next_window(bench, args))
 
     out = profile_steps(step, steps, dev.type == "cuda")
     if dev.type == "cuda":
@@ -196,6 +201,14 @@ def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
             out = timed_steps(bench, args)
         finally:
             attention.set_varlen_backend("flash")
+    elif name == "fp32-queries":
+        from crossdistill.models import attention
+
+        attention.compute_dtype = lambda query: query.dtype
+        try:
+            out = timed_steps(bench, args)
+        finally:
+            attention.compute_dtype = compute_dtype
     elif name == "sdpa":
         for model in models:
             set_attention(model, "sdpa")
@@ -211,13 +224,13 @@ def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
 
 def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
     """The same work as a step, phase by phase with a device sync between phases (slower than
-    the real step; used for the split only)."""
+    the real step; used for the split only). Times are per optimizer step."""
     from crossdistill.bench.step import Timer
     from crossdistill.losses import teacher_targets
     from crossdistill.losses.targets import kd_positions
 
     dev, timer = bench.device, Timer(bench.device.type == "cuda")
-    for _ in range(repeats):
+    for i in range(repeats * args.grad_accum):
         batch = next(bench.loader).to(dev)
         labels = batch.student.labels.flatten()
         terms = []
@@ -264,6 +277,8 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
             )
         with timer("backward"):
             loss.backward()
+        if (i + 1) % args.grad_accum:
+            continue  # the optimizer steps once per window of micro-batches
         with timer("optimizer"):
             torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
             bench.optimizer.step()
@@ -305,7 +320,14 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
         torch.cuda.empty_cache()
     opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")
 
-    def step(batch) -> None:
+    def step(window: list) -> None:
+        for batch in window:
+            micro_step(batch, scale=1 / len(window))
+        torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def micro_step(batch, scale: float) -> None:
         ids, labels = batch.student.input_ids, batch.student.labels
         with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
             logits_s = bench.student(
@@ -329,12 +351,11 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
                 logits_s.float().flatten(0, 1), labels.flatten(), ignore_index=-100
             )
             loss = 0.5 * ce + 0.5 * kl / max(len(bench.slots), 1)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        (loss * scale).backward()
 
-    batches = [next(bench.loader).to(dev) for _ in range(args.steps)]
+    batches = [
+        [next(bench.loader).to(dev) for _ in range(args.grad_accum)] for _ in range(args.steps)
+    ]
     try:
         for b in batches[: args.warmup]:
             step(b)
@@ -346,9 +367,9 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     tokens = 0
-    for b in batches:
-        tokens += b.student.input_ids.numel()
-        step(b)
+    for window in batches:
+        tokens += sum(b.student.input_ids.numel() for b in window)
+        step(window)
     _sync(dev)
     total = time.perf_counter() - t0
     out = {"naive_tokens_per_s": tokens / total, "ms/naive_step": 1e3 * total / len(batches)}

@@ -123,8 +123,9 @@ def set_varlen_backend(name: str) -> None:
     _BACKEND["name"] = name
 
 
-def _flash_ok(query: Tensor, scaling: float | None) -> bool:
-    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = None) -> bool:
+    """Whether the flash kernel runs `query` (computing in `dtype`, default its own)."""
+    if not query.is_cuda or (dtype or query.dtype) not in (torch.float16, torch.bfloat16):
         return False
     head_dim = query.shape[-1]
     if head_dim > 256 or head_dim % 8:
@@ -183,11 +184,10 @@ def varlen_attention(
     window = kwargs.get("sliding_window")  # Mistral, Gemma-3 local layers: keys within W
     if window is not None and window >= max_len:
         window = None  # no segment is longer than the window: plain causal
-    if window is not None or not _flash_ok(query, scaling):
+    dtype = compute_dtype(query)
+    if window is not None or not _flash_ok(query, scaling, dtype):
         return _masked_sdpa(query, key, value, cu, scaling, window), None
-    q = query.transpose(1, 2).reshape(b * t, h, d)
-    k = key.transpose(1, 2).reshape(b * t, key.shape[1], d)
-    v = value.transpose(1, 2).reshape(b * t, value.shape[1], d)
+    q, k, v = (_flat(x, dtype) for x in (query, key, value))
     cu = cu.to(device=q.device, dtype=torch.int32)
     if _BACKEND["name"] == "flash" and hasattr(torch.ops.aten, "_flash_attention_forward"):
         out = _FlashVarlen.apply(q, k, v, cu, max_len, scaling)
@@ -207,6 +207,27 @@ def varlen_attention(
             k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
     out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
     return out.view(b, t, h, d), None
+
+
+def compute_dtype(query: Tensor) -> torch.dtype:
+    """The dtype attention computes in: under autocast, the autocast dtype, as SDPA would use.
+    A float32 model under bf16 autocast (mixed-precision training with float32 master weights)
+    hands attention float32 queries and keys: its projections run in bf16, but the rotary
+    embedding multiplies them by float32 cos/sin. Left as they are, they would miss the flash
+    kernel and take the masked path over all `T²` scores."""
+    device = query.device.type
+    if query.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return query.dtype
+
+
+def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`[B, H, T, D]` -> `[B·T, H, D]` in `dtype`, at most one copy."""
+    b, h, t, d = x.shape
+    x = x.transpose(1, 2)
+    if x.dtype != dtype:  # (with the dtype unchanged, `to` ignores the memory format)
+        x = x.to(dtype, memory_format=torch.contiguous_format)
+    return x.reshape(b * t, h, d)
 
 
 def _positions(kwargs: dict[str, Any], query: Tensor) -> Tensor:

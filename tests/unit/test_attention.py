@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 from crossdistill.data.batch import block_causal_mask, segments_from_docs
-from crossdistill.models import build_causal_lm
+from crossdistill.models import attention, build_causal_lm
 from crossdistill.models.attention import (
     VARLEN,
+    compute_dtype,
     segments_from_positions,
     set_attention,
     varlen_attention,
@@ -72,6 +73,56 @@ def test_varlen_model_equals_sdpa_with_packed_positions(arch):
 def test_default_attention_is_varlen():
     model = build_causal_lm(arch="tiny-llama", seed=0)
     assert model.config._attn_implementation == VARLEN
+
+
+def test_attention_computes_in_the_autocast_dtype(monkeypatch):
+    """A float32 model under bf16 autocast hands attention float32 queries (its rotary embedding
+    multiplies the bf16 projections by float32 cos/sin); attention computes in bf16, as SDPA under
+    autocast would, so that on CUDA the flash kernel takes them."""
+    seen = []
+
+    def spy(query):
+        seen.append((query.dtype, compute_dtype(query)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(attention, "compute_dtype", spy)
+    model = build_causal_lm(arch="tiny-llama", seed=0)
+    ids, pos, _ = _packed(seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        final_hidden(model, ids, pos)
+    assert seen and set(seen) == {(torch.float32, torch.bfloat16)}
+    seen.clear()
+    final_hidden(model, ids, pos)
+    assert set(seen) == {(torch.float32, torch.float32)}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert compute_dtype(torch.zeros(1, dtype=torch.float64)) == torch.float64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_float32_model_under_autocast_runs_flash(monkeypatch):
+    """The mixed-precision student (float32 weights, bf16 autocast) runs the flash varlen kernel,
+    not the masked path, and agrees with transformers' SDPA under the same autocast."""
+    calls = []
+    apply = attention._FlashVarlen.apply
+
+    def counted(*args):
+        calls.append(args[0].dtype)
+        return apply(*args)
+
+    monkeypatch.setattr(attention._FlashVarlen, "apply", counted)
+    model = build_causal_lm(arch="tiny-llama", seed=0, device=torch.device("cuda"))
+    ids, pos, doc = _packed(seed=9, b=3, t=128)
+    ids, pos = ids.cuda(), pos.cuda()
+    cu, longest = segments_from_docs(doc)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = final_hidden(model, ids, pos, (torch.as_tensor(cu).cuda(), longest))
+        set_attention(model, "sdpa")
+        want = final_hidden(model, ids, pos)
+    assert calls and set(calls) == {torch.bfloat16}
+    real = torch.as_tensor(doc >= 0).cuda()
+    err = (got[real].float() - want[real].float()).abs().max() / want[real].float().abs().max()
+    assert err < 2e-2
 
 
 def _reference(q, k, v, doc):

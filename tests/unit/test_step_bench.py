@@ -8,14 +8,17 @@ import math
 import subprocess
 import sys
 
-from crossdistill.bench.profile import kind_of
+import pytest
+
+from crossdistill.bench.profile import kind_of, largest_gaps
 
 
 def test_bench_step_smoke_on_cpu(tokenizer_dir):
     cmd = [
         sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--seq-len", "64", "--micro-batch", "2", "--json",
-        "--profile", "--ablate", "sdpa", "--baseline", "naive",
+        "--profile", "--ablate", "sdpa", "--ablate", "fp32-queries", "--baseline", "naive",
+        "--grad-accum", "2",
         "--student", "llama-3.2-1b", "--student-tokenizer", str(tokenizer_dir("llama2")),
         "--teacher", "qwen3-4b", "--teacher-tokenizer", str(tokenizer_dir("mistral")),
     ]  # fmt: skip
@@ -24,9 +27,10 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in (
         "tokens_per_s", "naive_tokens_per_s", "ablate/sdpa/tokens_per_s", "loss_fraction",
-        "loader_fraction", "flops_per_token",
+        "loader_fraction", "flops_per_token", "ablate/fp32-queries/tokens_per_s",
     ):  # fmt: skip
         assert math.isfinite(result[key]) and result[key] > 0, key
+    assert result["grad_accum"] == 2 and "ms/optimizer" in result
     prof = result["profile"]
     assert prof["top"] and prof["busy_ms"] > 0 and prof["step_ms"] > 0
     assert abs(sum(prof["ms_by_kind"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
@@ -39,3 +43,28 @@ def test_kernel_kinds():
     assert kind_of("triton_poi_fused_add_mul_0") == "triton"
     assert kind_of("void at::native::vectorized_elementwise_kernel<4, ...>") == "elementwise"
     assert kind_of("void multi_tensor_apply_kernel<...>") == "optimizer"
+
+
+def test_bench_step_refuses_bad_accumulation(tokenizer_dir):
+    cmd = [
+        sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
+        "--grad-accum", "0", "--student-tokenizer", str(tokenizer_dir("llama2")),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "--grad-accum must be >= 1" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_largest_gaps_sum_idle_time_between_kernels():
+    spans = [  # (start µs, end µs, name) on two streams, two steps
+        (0, 100, "a"), (50, 120, "b"), (200, 300, "c"), (300, 400, "a"),
+        (1000, 1100, "a"), (1150, 1200, "b"), (1300, 1400, "c"),
+    ]  # fmt: skip
+    gaps = largest_gaps(spans, steps=2)
+    by_pair = {(g["after"], g["before"]): g for g in gaps}
+    # b ends at 120 (a, overlapping, ended at 100): 80 µs idle before c; 600 after a at 400 ...
+    assert by_pair[("b", "c")]["ms"] == round((80 + 100) / 1e3 / 2, 3)
+    assert by_pair[("a", "a")]["ms"] == round(600 / 1e3 / 2, 3)
+    assert by_pair[("a", "b")]["ms"] == round(50 / 1e3 / 2, 3)
+    assert gaps[0]["after"] == "a" and gaps[0]["before"] == "a"
+    assert sum(g["ms"] for g in gaps) == pytest.approx((80 + 600 + 50 + 100) / 1e3 / 2, abs=2e-3)
