@@ -26,6 +26,8 @@ ABLATIONS = {
     "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
     "eager": "no torch.compile (with --compile)",
     "torch-varlen": "torch.nn.attention.varlen_attn (its own backend choice) for varlen attention",
+    "full-topk": "teacher top-k by torch.topk over the whole vocabulary (not from the blocks "
+    "with the largest maxima)",
     "fp32-queries": "attention of the float32 student in float32 under autocast (misses flash: "
     "the masked path over all T² scores)",
 }

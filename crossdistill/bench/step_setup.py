@@ -209,6 +209,14 @@ def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
             out = timed_steps(bench, args)
         finally:
             attention.compute_dtype = compute_dtype
+    elif name == "full-topk":
+        from crossdistill.losses import targets
+
+        blocks, targets.topk_by_blocks = targets.topk_by_blocks, lambda z, k: z.topk(k, dim=1)
+        try:
+            out = timed_steps(bench, args)
+        finally:
+            targets.topk_by_blocks = blocks
     elif name == "sdpa":
         for model in models:
             set_attention(model, "sdpa")

@@ -180,6 +180,30 @@ def _use_fused(hidden_t: Tensor) -> bool:
     )
 
 
+TOPK_BLOCK = 128  # columns per block of `topk_by_blocks`
+
+
+def topk_by_blocks(z: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, Tensor]:
+    """`z.topk(k, dim=1)` (values sorted, descending) from the blocks of `block` columns with the
+    k largest maxima: one max-reduction pass over `z [c, V]`, then top-k over `[c, V / block]`
+    maxima and over the `[c, k·block]` candidates, instead of a radix select over all of `z`.
+
+    Exact in values: an element above the k-th largest value v_k whose block were not among
+    those k would leave k block maxima ≥ it, so k + 1 elements above v_k. If more than k blocks
+    reach v_k, the k taken hold k elements ≥ v_k. Among equal values, which ids are returned may
+    differ from `torch.topk` (which leaves that order unspecified too). Falls back to
+    `torch.topk` where `block` does not divide V or the blocks would not save work."""
+    c, v = z.shape
+    nb = v // block
+    if v % block or nb <= 4 * k or not z.is_contiguous():
+        return z.topk(k, dim=1)
+    blocks = z.view(c, nb, block)
+    best = blocks.amax(2).topk(k, dim=1).indices  # [c, k] blocks
+    cand = blocks.gather(1, best.unsqueeze(2).expand(c, k, block)).view(c, k * block)
+    vals, at = cand.topk(k, dim=1)
+    return vals, best.gather(1, at // block) * block + at % block
+
+
 def _fused_chunk(
     z: Tensor, next_ids: Tensor, top_k: int, temperature: float, tail_floor: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -190,7 +214,7 @@ def _fused_chunk(
     the gather of the next tokens. (next log-prob, top-k log-probs, top-k ids, tail log-prob)."""
     from crossdistill.losses.fused import bucket_bits, row_stats
 
-    vals, ids = z.topk(top_k, dim=1)  # sorted, descending
+    vals, ids = topk_by_blocks(z, top_k)  # sorted, descending
     taus = [1.0] if temperature == 1.0 else [1.0, temperature]
     zmax, _, s, tail = row_stats(z, taus, [bucket_bits(ids, None, z.shape[1])], [len(taus) - 1])
     nxt = next_ids.clamp(min=0).unsqueeze(1)

@@ -262,3 +262,27 @@ def test_common_vocabulary_and_exact_only():
     assert proj.common_student().tolist() == [False, False, True, True, False]
     with pytest.raises(UserError, match="exact"):
         VocabProjection.from_first_piece(first, 5).exact_only()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_topk_by_blocks_gives_topk_values_exactly(seed):
+    """Top-k from the blocks with the largest maxima: the same values as `torch.topk` (ties,
+    clusters of the top-k in one block, constant rows), each id holding its value, k distinct
+    ids; falls back where the blocks would not help."""
+    from crossdistill.losses.targets import topk_by_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(6, 128 * 96, generator=g) * 3
+    z[1] = z[1].round()  # thousands of ties at the k-th value
+    z[2, 640:700] += 40  # the whole top-k inside one block
+    z[3] = 0.0  # every value tied
+    z[4, torch.randperm(z.shape[1], generator=g)[:20]] = float("inf")
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        x = z.to(dtype)
+        for k in (1, 8, 23):
+            vals, ids = topk_by_blocks(x, k)
+            assert torch.equal(vals, x.topk(k, dim=1).values)
+            assert torch.equal(x.gather(1, ids), vals)
+            assert all(len(set(r.tolist())) == k for r in ids)
+    vals, ids = topk_by_blocks(z[:, :1000], 8)  # 1000 columns: no whole blocks, torch.topk
+    assert torch.equal(vals, z[:, :1000].topk(8, dim=1).values)

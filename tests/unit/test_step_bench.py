@@ -17,7 +17,8 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     cmd = [
         sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--seq-len", "64", "--micro-batch", "2", "--json",
-        "--profile", "--ablate", "sdpa", "--ablate", "fp32-queries", "--baseline", "naive",
+        "--profile", "--ablate", "sdpa", "--ablate", "fp32-queries", "--ablate", "full-topk",
+        "--baseline", "naive",
         "--grad-accum", "2",
         "--student", "llama-3.2-1b", "--student-tokenizer", str(tokenizer_dir("llama2")),
         "--teacher", "qwen3-4b", "--teacher-tokenizer", str(tokenizer_dir("mistral")),
