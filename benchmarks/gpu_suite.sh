@@ -7,7 +7,8 @@
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
 # EXTRA: more `bench step` arguments for the step2048 stage, TAG: a suffix for its file name.
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
-#   tests ceilings loss step2048 multi step4096
+#   tests ceilings loss step2048 multi step4096 accum equal
+# accum: the three setups with 4 micro-batches per optimizer step; equal: optimised vs plain.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -42,4 +43,15 @@ stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len
     --micro-batch 4 --steps 8 --warmup 3 --compile --baseline naive --ablate eager
 stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
     --steps 8 --warmup 3 --compile --baseline naive
+A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile --baseline naive)
+if stage accum; then
+    step qwen3-4b-llama-1b-2048-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
+        --checkpoint-blocks 2 "${A[@]}"
+    step qwen3-4b-llama-1b-4096-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
+        --checkpoint-blocks 2 "${A[@]}"
+    step phi4mini-llama3b-llama-1b-2048-accum4 "${S[@]}" "${P[@]}" --seq-len 2048 \
+        --micro-batch 4 "${A[@]}"
+fi
+stage equal && $py benchmarks/optimised_vs_plain.py "${S[@]}" "${Q[@]}" --seq-len 2048 \
+    --micro-batch 2 --steps 20 | tee "$OUT/optimised-vs-plain-$stamp.json"
 exit 0

@@ -69,3 +69,23 @@ def test_largest_gaps_sum_idle_time_between_kernels():
     assert by_pair[("a", "b")]["ms"] == round(50 / 1e3 / 2, 3)
     assert gaps[0]["after"] == "a" and gaps[0]["before"] == "a"
     assert sum(g["ms"] for g in gaps) == pytest.approx((80 + 600 + 50 + 100) / 1e3 / 2, abs=2e-3)
+
+
+def test_optimised_vs_plain_script_on_cpu(tokenizer_dir):
+    """`benchmarks/optimised_vs_plain.py` runs both paths on the same batches and reports their
+    agreement (on the CPU in float32 they agree to float32 reordering)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "optimised_vs_plain.py"
+    cmd = [
+        sys.executable, str(script), "--tiny", "--device", "cpu", "--seq-len", "32",
+        "--micro-batch", "2", "--steps", "2",
+        "--student-tokenizer", str(tokenizer_dir("llama2")),
+        "--teacher", "qwen3-4b", "--teacher-tokenizer", str(tokenizer_dir("mistral")),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(result["optimised"]["loss"]) == len(result["plain"]["loss"]) == 2
+    assert all(math.isfinite(x) for x in result["plain"]["loss"])
+    assert result["max_rel_diff_loss"] < 1e-4 and result["max_rel_diff_grad_norm"] < 1e-3
