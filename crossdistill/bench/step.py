@@ -31,6 +31,10 @@ ABLATIONS = {
     "fp32-queries": "attention of the float32 student in float32 under autocast (misses flash: "
     "the masked path over all T² scores)",
 }
+VARIANTS = {
+    "block-stats": "teacher targets from one pass of per-block maxima and sums (the max, S_τ, "
+    "top-k and exact tail from them) instead of top-k by blocks + the bitmask stats kernel",
+}
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
   crossdistill bench step --teacher qwen3-4b --teacher-tokenizer $TOK/qwen3/hf \\
@@ -75,6 +79,14 @@ def add_parser(subparsers) -> None:
         choices=sorted(ABLATIONS),
         help="also time the step with one optimisation undone (repeatable): "
         + "; ".join(f"{k}: {v}" for k, v in sorted(ABLATIONS.items())),
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        choices=sorted(VARIANTS),
+        help="also time the step with an alternative not on by default (repeatable): "
+        + "; ".join(f"{k}: {v}" for k, v in sorted(VARIANTS.items())),
     )
     p.add_argument(
         "--compile",
@@ -167,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
         profile_real_step,
         profiled_step,
         timed_steps,
+        variant_steps,
     )
     from crossdistill.errors import UserError
 
@@ -181,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
         result["profile"] = profile_real_step(bench, args)
     for name in args.ablate:
         result.update(ablated_steps(bench, args, name))
+    for name in args.variant:
+        result.update(variant_steps(bench, args, name))
     if args.baseline == "naive":
         result.update(naive_step(bench, args))
     result["matmul_tflops_measured"] = _matmul_tflops(bench.device)
@@ -279,7 +294,7 @@ def _print_table(result: dict) -> None:
             v = result[k]
             print(f"{k:30s} {v:.4g}" if isinstance(v, float) else f"{k:30s} {v}")
     for k, v in sorted(result.items()):
-        if k.startswith("ablate/"):
+        if k.startswith(("ablate/", "variant/")):
             print(f"{k:30s} {v:.4g}")
     print("time split (ms per step):")
     for k, v in sorted(result.items()):

@@ -230,6 +230,20 @@ def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
     return {f"ablate/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
 
 
+def variant_steps(bench: Bench, args, name: str) -> dict[str, float]:
+    """The real step timed again with an alternative switched on (`VARIANTS` in `bench.step`)."""
+    if name != "block-stats":
+        raise ValueError(f"unknown variant {name!r}")
+    from crossdistill.losses import targets
+
+    targets.TARGET_FLOW["name"] = "blocks"
+    try:
+        out = timed_steps(bench, args)
+    finally:
+        targets.TARGET_FLOW["name"] = "bitmask"
+    return {f"variant/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
+
+
 def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
     """The same work as a step, phase by phase with a device sync between phases (slower than
     the real step; used for the split only). Times are per optimizer step."""

@@ -121,6 +121,71 @@ def _kernels():
     return triton, stats, grad
 
 
+@functools.cache
+def _block_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def block_stats(
+        z_ptr, stride_z, nb, inv_tau_ptr, max_ptr, sum_ptr,
+        T: tl.constexpr, B: tl.constexpr, G: tl.constexpr,
+    ):  # fmt: skip
+        # program (row, g) reduces blocks [g·G, (g+1)·G) of B columns each: their maxima, and
+        # per temperature the sum of e^{(z−block max)/τ} inside each block
+        row = tl.program_id(0)
+        blk = tl.program_id(1) * G + tl.arange(0, G)
+        cols = blk[:, None] * B + tl.arange(0, B)[None, :]  # [G, B]
+        inside = blk < nb
+        x = tl.load(z_ptr + row.to(tl.int64) * stride_z + cols, mask=inside[:, None], other=0.0).to(
+            tl.float32
+        )
+        m = tl.max(x, 1)
+        tl.store(max_ptr + row * nb + blk, m, mask=inside)
+        for t in tl.static_range(T):
+            e = tl.exp((x - m[:, None]) * tl.load(inv_tau_ptr + t))
+            tl.store(sum_ptr + (row * nb + blk) * T + t, tl.sum(e, 1), mask=inside)
+
+    return block_stats
+
+
+BLOCKS_PER_PROGRAM = 16
+
+
+def block_stats(z: Tensor, block: int, taus: list[float]) -> tuple[Tensor, Tensor]:
+    """Per block of `block` columns of `z [c, V]` (V a multiple of `block`): its max `[c, nb]`
+    and `Σ e^{(z − block max)/τ}` inside it for each τ `[c, nb, T]`, float32 (float64 for
+    float64 input); the Triton kernel on CUDA, else PyTorch."""
+    if z.is_cuda and available() and z.dtype != torch.float64:
+        return block_stats_triton(z, block, taus)
+    return block_stats_torch(z, block, taus)
+
+
+def block_stats_torch(z: Tensor, block: int, taus: list[float]) -> tuple[Tensor, Tensor]:
+    c, v = z.shape
+    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
+    zb = z.view(c, v // block, block).to(acc)
+    bmax = zb.amax(2)
+    d = zb - bmax.unsqueeze(2)
+    return bmax, torch.stack([(d / t).exp().sum(2) for t in taus], 2)
+
+
+def block_stats_triton(z: Tensor, block: int, taus: list[float]) -> tuple[Tensor, Tensor]:
+    import triton
+
+    c, v = z.shape
+    nb = v // block
+    inv_tau = _small([1.0 / t for t in taus], torch.float32, z.device)
+    bmax = torch.empty(c, nb, dtype=torch.float32, device=z.device)
+    bsum = torch.empty(c, nb, len(taus), dtype=torch.float32, device=z.device)
+    grid = (c, triton.cdiv(nb, BLOCKS_PER_PROGRAM))
+    _block_kernel()[grid](
+        z, z.stride(0), nb, inv_tau, bmax, bsum,
+        T=len(taus), B=block, G=BLOCKS_PER_PROGRAM, num_warps=8,
+    )  # fmt: skip
+    return bmax, bsum
+
+
 _SMALL: dict[tuple, Tensor] = {}
 
 

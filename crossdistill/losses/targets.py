@@ -204,6 +204,50 @@ def topk_by_blocks(z: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, 
     return vals, best.gather(1, at // block) * block + at % block
 
 
+# Which flow computes a half-precision chunk's targets: "bitmask" (top-k by blocks, then the
+# `stats` kernel over the whole chunk with a bitmask of the top-k) or "blocks" (one pass for
+# block maxima and sums; everything else from them and the top-k blocks' candidates).
+# "blocks" reads the chunk once less; it is chosen per run by `bench step --variant`.
+TARGET_FLOW = {"name": "bitmask"}
+
+
+def _blocks_chunk(
+    z: Tensor, next_ids: Tensor, top_k: int, temperature: float, tail_floor: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """`_fused_chunk` from per-block maxima and sums (`fused.block_stats`, one pass over `z`):
+    the row max and `S_τ` combine the blocks; the top-k comes from the k blocks with the largest
+    maxima (as in `topk_by_blocks`); the tail is the sum over the other blocks plus the sum over
+    the candidates outside the top-k, both sums of positive terms (exact, no `S − Σ`). None
+    where the blocks do not apply."""
+    from crossdistill.losses.fused import block_stats
+
+    c, v = z.shape
+    block = TOPK_BLOCK
+    nb = v // block
+    if v % block or nb <= 4 * top_k or not z.is_contiguous():
+        return None
+    taus = [1.0] if temperature == 1.0 else [1.0, temperature]
+    bmax, bsum = block_stats(z, block, taus)
+    zmax = bmax.max(1).values
+    shift = bmax - zmax.unsqueeze(1)  # each block's sums rescaled to the row max
+    weight = torch.stack([bsum[:, :, i] * (shift / t).exp() for i, t in enumerate(taus)], 2)
+    s = weight.sum(1)  # [c, T]
+    best = bmax.topk(top_k, dim=1).indices  # [c, k] blocks
+    blocks = z.view(c, nb, block)
+    cand = blocks.gather(1, best.unsqueeze(2).expand(c, top_k, block)).view(c, top_k * block)
+    vals, at = cand.topk(top_k, dim=1)
+    ids = best.gather(1, at // block) * block + at % block
+    rest = weight[:, :, -1].scatter(1, best, 0.0).sum(1)  # blocks outside the top-k blocks
+    e = ((cand.to(zmax.dtype) - zmax.unsqueeze(1)) / taus[-1]).exp().scatter(1, at, 0.0)
+    tail = rest + e.sum(1)  # + candidates outside the top-k
+    nxt = next_ids.clamp(min=0).unsqueeze(1)
+    next_lp = z.gather(1, nxt).squeeze(1).to(zmax.dtype) - zmax - s[:, 0].log()
+    log_s = s[:, -1].log()
+    top_lp = (vals.to(zmax.dtype) - zmax.unsqueeze(1)) / temperature - log_s.unsqueeze(1)
+    tail_lp = tail.clamp(min=tail_floor).log() - log_s
+    return next_lp, top_lp, ids, tail_lp
+
+
 def _fused_chunk(
     z: Tensor, next_ids: Tensor, top_k: int, temperature: float, tail_floor: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -214,6 +258,10 @@ def _fused_chunk(
     the gather of the next tokens. (next log-prob, top-k log-probs, top-k ids, tail log-prob)."""
     from crossdistill.losses.fused import bucket_bits, row_stats
 
+    if TARGET_FLOW["name"] == "blocks":
+        out = _blocks_chunk(z, next_ids, top_k, temperature, tail_floor)
+        if out is not None:
+            return out
     vals, ids = topk_by_blocks(z, top_k)  # sorted, descending
     taus = [1.0] if temperature == 1.0 else [1.0, temperature]
     zmax, _, s, tail = row_stats(z, taus, [bucket_bits(ids, None, z.shape[1])], [len(taus) - 1])

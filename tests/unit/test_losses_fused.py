@@ -74,6 +74,7 @@ g = torch.Generator().manual_seed(0)
 for c, vocab, taus, parts, dtype in [
     (3, 40000, [1.0], 1, torch.float32), (2, 70001, [1.0, 2.0], 2, torch.float32),
     (2, 5000, [0.5, 1.0, 3.0], 0, torch.float32), (2, 33000, [1.0], 1, torch.bfloat16),
+    (2, 128 * 37, [1.0, 0.7], 1, torch.bfloat16),
 ]:
     z = (torch.randn(c, vocab, generator=g) * 3).to(dtype)
     masks = []
@@ -86,6 +87,11 @@ for c, vocab, taus, parts, dtype in [
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     for a, b in zip(got[2:], want[2:]):
         assert ((a - b).abs() <= 1e-6 * b.abs()).all()
+    if vocab % 128 == 0:  # the per-block maxima and sums of the teacher targets
+        b_got = fz.block_stats_triton(z, 128, taus)
+        b_want = fz.block_stats_torch(z, 128, taus)
+        assert torch.equal(b_got[0], b_want[0])
+        assert ((b_got[1] - b_want[1]).abs() <= 1e-6 * b_want[1]).all()
     coef = torch.randn(c, len(taus), generator=g)
     a = fz.logit_grad_triton(z.clone().float(), want[0], taus, coef, torch.float32)
     b = fz.logit_grad_torch(z.clone().float(), want[0], taus, coef, torch.float32)

@@ -286,3 +286,56 @@ def test_topk_by_blocks_gives_topk_values_exactly(seed):
             assert all(len(set(r.tolist())) == k for r in ids)
     vals, ids = topk_by_blocks(z[:, :1000], 8)  # 1000 columns: no whole blocks, torch.topk
     assert torch.equal(vals, z[:, :1000].topk(8, dim=1).values)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.7, 2.0])
+def test_block_flow_matches_the_plain_path(tau):
+    """The targets from per-block maxima and sums (`_blocks_chunk`: row max, S_τ, top-k from the
+    top blocks, tail from the other blocks and the left-over candidates) equal the plain path's
+    in float64, including a row whose top-k sits in one block."""
+    from crossdistill.losses.targets import _blocks_chunk
+
+    gen = torch.Generator().manual_seed(6)
+    h = torch.randn(12, 16, generator=gen, dtype=torch.float64)
+    w = torch.randn(128 * 150, 16, generator=gen, dtype=torch.float64)
+    w[300:330] += 3 * h[2] / h[2].norm()  # row 2: its top-k clustered in blocks 2 and 3
+    nxt = torch.randint(0, w.shape[0], (12,), generator=gen)
+    nxt[5] = -1
+    want = teacher_targets(h, w, torch.arange(12), nxt, top_k=20, temperature=tau, chunk_size=5)
+    floor = torch.finfo(torch.float32).tiny
+    next_lp, top_lp, ids, tail = _blocks_chunk(h @ w.t(), nxt, 20, tau, floor)
+    assert torch.equal(ids.to(torch.int32), want.topk_ids)
+    torch.testing.assert_close(top_lp, want.topk_logprobs, rtol=0, atol=1e-12)
+    torch.testing.assert_close(tail, want.tail_logprob, rtol=0, atol=1e-12)
+    valid = nxt >= 0
+    torch.testing.assert_close(next_lp[valid], want.next_logprobs[valid], rtol=0, atol=1e-12)
+    assert _blocks_chunk(h @ w[:1000].t(), nxt.clamp(max=999), 20, tau, floor) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("flow", ["bitmask", "blocks"])
+def test_cuda_bf16_targets_at_a_real_vocabulary(flow, monkeypatch):
+    """Qwen3's vocabulary (151,936 = 1,187 blocks of 128), bf16 logits: both CUDA flows against
+    float64 on the same logits."""
+    from crossdistill.losses import targets
+
+    monkeypatch.setitem(targets.TARGET_FLOW, "name", flow)
+    gen = torch.Generator().manual_seed(8)
+    h = torch.randn(256, 64, generator=gen).bfloat16()
+    w = (torch.randn(151936, 64, generator=gen) * 0.3).bfloat16()
+    nxt = torch.randint(0, 151936, (256,), generator=gen)
+    kd = torch.arange(256)
+    got = teacher_targets(h.cuda(), w.cuda(), kd.cuda(), nxt.cuda(), 64, 2.0, chunk_size=128)
+    z = (h.cuda() @ w.cuda().t()).double().cpu()  # the bf16 logits, in float64
+    vals, ids = z.topk(64, dim=1)
+    lse_tau = torch.logsumexp(z / 2.0, 1)
+    rest = (z / 2.0 - lse_tau[:, None]).exp().scatter(1, ids, 0.0).sum(1).log()
+    want = {
+        "topk_logprobs": vals / 2.0 - lse_tau[:, None],
+        "tail_logprob": rest,
+        "next_logprobs": z.gather(1, nxt[:, None]).squeeze(1) - torch.logsumexp(z, 1),
+    }
+    for name, b in want.items():
+        torch.testing.assert_close(getattr(got, name).cpu().double(), b, rtol=0, atol=1e-4)
+    assert torch.equal(z.gather(1, got.topk_ids.cpu().long()), vals)
