@@ -52,6 +52,8 @@ if stage accum; then
         --checkpoint-blocks 2 "${A[@]}"
     step phi4mini-llama3b-llama-1b-2048-accum4 "${S[@]}" "${P[@]}" --seq-len 2048 \
         --micro-batch 4 "${A[@]}"
+    step phi4mini-llama3b-llama-1b-2048-accum4-mlp8 "${S[@]}" "${P[@]}" --seq-len 2048 \
+        --micro-batch 4 --checkpoint-blocks 8 --checkpoint-scope mlp "${A[@]}"
 fi
 stage equal && $py benchmarks/optimised_vs_plain.py "${S[@]}" "${Q[@]}" --seq-len 2048 \
     --micro-batch 2 --steps 20 | tee "$OUT/optimised-vs-plain-$stamp.json"

@@ -36,7 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     # the fields `bench step`'s builder reads
     for name, value in dict(
         warmup=0, grad_accum=1, top_k=64, loss="forward_kl", loss_chunk_size=2048,
-        checkpoint_blocks=0, compile=False,
+        checkpoint_blocks=0, checkpoint_scope="block", compile=False,
     ).items():  # fmt: skip
         setattr(args, name, value)
     return args

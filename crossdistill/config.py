@@ -58,6 +58,9 @@ class ModelConfig:
     compile: bool = False  # torch.compile each transformer block
 
 
+CHECKPOINT_SCOPES = ("block", "mlp")  # what activation checkpointing recomputes
+
+
 @dataclass
 class StudentConfig(ModelConfig):
     dtype: str = "float32"  # master weights; compute runs under autocast on GPU
@@ -65,6 +68,9 @@ class StudentConfig(ModelConfig):
     # with activation_checkpointing: recompute only the first N blocks (0 = every block); a
     # few blocks buy back memory at a fraction of the full recomputation's cost
     activation_checkpointing_blocks: int = 0
+    # what is recomputed: "block" (the whole block: the most memory back) or "mlp" (only its
+    # MLP: the gate/up activations, the largest, for two of the block's seven matmuls)
+    activation_checkpointing_scope: str = "block"
 
 
 @dataclass

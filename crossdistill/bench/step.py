@@ -100,6 +100,12 @@ def add_parser(subparsers) -> None:
         help="recompute the first N student blocks in backward (memory for a little time)",
     )
     p.add_argument(
+        "--checkpoint-scope",
+        choices=["block", "mlp"],
+        default="block",
+        help="with --checkpoint-blocks: recompute whole blocks or only their MLPs",
+    )
+    p.add_argument(
         "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"
     )
     p.add_argument("--device", default="cuda")
@@ -228,6 +234,7 @@ def _finish(result: dict, bench, args) -> None:
         grad_accum=args.grad_accum,
         compile=args.compile,
         checkpoint_blocks=args.checkpoint_blocks,
+        checkpoint_scope=args.checkpoint_scope,
         teacher_tokens_per_student_token=bench.teacher_ratio,
     )
     for key in ("", "naive_"):

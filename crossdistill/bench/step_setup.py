@@ -104,7 +104,7 @@ def build_bench(args) -> Bench:
         from crossdistill.distributed.parallelize import apply_activation_checkpointing
 
         student.train()
-        apply_activation_checkpointing(student, args.checkpoint_blocks)
+        apply_activation_checkpointing(student, args.checkpoint_blocks, args.checkpoint_scope)
     if args.compile:
         from crossdistill.distributed.parallelize import apply_compile
 
@@ -330,14 +330,12 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
     dev = bench.device
     bench.optimizer.zero_grad(set_to_none=True)
     bench.optimizer = None  # free our optimizer state: the baseline brings its own
-    from crossdistill.distributed.parallelize import remove_compile
+    from crossdistill.distributed.parallelize import remove_compile, remove_recompute
 
     for model in [bench.student] + [s.teacher.model for s in bench.slots]:
         set_attention(model, "sdpa")  # transformers' default: the block mask from positions
         remove_compile(model)  # plain eager modules
-        for module in model.modules():  # and no recomputation (`--checkpoint-blocks`)
-            if getattr(module, "gradient_checkpointing", False):
-                module.gradient_checkpointing = False
+        remove_recompute(model)  # and no recomputation (`--checkpoint-blocks`)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")

@@ -89,13 +89,49 @@ def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
     set_attention(model, CP_ATTENTION)
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks: int = 0) -> None:
-    """Recompute each block's activations in backward (non-reentrant, per block); `blocks` > 0:
-    only the first `blocks` blocks."""
+def apply_activation_checkpointing(model: nn.Module, blocks: int = 0, scope: str = "block") -> None:
+    """Recompute activations in backward (non-reentrant): each block's whole forward (`scope`
+    "block"), or only its MLP ("mlp": the gate/up activations, the largest of a block, for two of
+    its seven matmuls; attention is not recomputed). `blocks` > 0: only the first `blocks`."""
+    from crossdistill.config import CHECKPOINT_SCOPES
+
+    if scope not in CHECKPOINT_SCOPES:
+        raise ValueError(f"checkpoint scope must be one of {CHECKPOINT_SCOPES}, got {scope!r}")
+    layers = list(decoder_layers(model))
+    chosen = layers[:blocks] if blocks > 0 else layers
+    if scope == "mlp":
+        for layer in chosen:
+            _recompute_in_backward(layer.mlp)
+        return
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if blocks > 0:
-        for layer in list(decoder_layers(model))[blocks:]:
-            layer.gradient_checkpointing = False
+    for layer in layers[len(chosen) :]:
+        layer.gradient_checkpointing = False
+
+
+def _recompute_in_backward(module: nn.Module) -> None:
+    """Run `module` under non-reentrant `torch.utils.checkpoint` while gradients are recorded:
+    only its inputs are saved, its forward runs again in backward. The forward is replaced on
+    the instance, so parameter names and the state dict are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    def recomputed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    recomputed.recomputes = forward
+    module.forward = recomputed
+
+
+def remove_recompute(model: nn.Module) -> None:
+    """Undo activation checkpointing of either scope (the modules run plainly again)."""
+    for module in model.modules():
+        if hasattr(vars(module).get("forward"), "recomputes"):
+            del module.forward
+        if getattr(module, "gradient_checkpointing", False):
+            module.gradient_checkpointing = False
 
 
 def apply_compile(model: nn.Module) -> None:
@@ -114,11 +150,13 @@ def apply_block_options(
     activation_checkpointing: bool = False,
     checkpoint_blocks: int = 0,
     compile_blocks: bool = False,
+    checkpoint_scope: str = "block",
 ) -> None:
     """Per-block options a model gets on one device as under any layout: activation
-    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all), then compiling."""
+    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all; `checkpoint_scope`: whole
+    blocks or their MLPs), then compiling."""
     if activation_checkpointing:
-        apply_activation_checkpointing(model, checkpoint_blocks)
+        apply_activation_checkpointing(model, checkpoint_blocks, checkpoint_scope)
     if compile_blocks:
         apply_compile(model)
 
@@ -204,6 +242,7 @@ def parallelize_model(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     checkpoint_blocks: int = 0,
+    checkpoint_scope: str = "block",
 ) -> nn.Module:
     """Apply `layout` in place: TP, CP, activation checkpointing, compile, then FSDP.
     `reshard_after_forward=False` keeps each block gathered from its forward to its backward
@@ -213,6 +252,7 @@ def parallelize_model(
     options = {
         "activation_checkpointing": activation_checkpointing,
         "checkpoint_blocks": checkpoint_blocks,
+        "checkpoint_scope": checkpoint_scope,
         "compile_blocks": compile_blocks,
     }
     if mesh is None:

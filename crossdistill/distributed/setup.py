@@ -82,6 +82,7 @@ def parallel_models(
         seed=cfg.train.seed,
         activation_checkpointing=s.activation_checkpointing,
         checkpoint_blocks=s.activation_checkpointing_blocks,
+        checkpoint_scope=s.activation_checkpointing_scope,
         compile_blocks=bool(getattr(s, "compile", False)),
         reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype,

@@ -186,6 +186,7 @@ def _single_models(cfg: Config, device: torch.device) -> nn.Module:
         student,
         activation_checkpointing=s.activation_checkpointing,
         checkpoint_blocks=s.activation_checkpointing_blocks,
+        checkpoint_scope=s.activation_checkpointing_scope,
         compile_blocks=s.compile,
     )
     return student

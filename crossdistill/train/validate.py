@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from crossdistill.config import Config, ModelConfig
+from crossdistill.config import CHECKPOINT_SCOPES, Config, ModelConfig
 from crossdistill.errors import UserError
 
 # Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
@@ -98,6 +98,15 @@ def _check_scalars(cfg: Config) -> None:
         (cfg.optim.lr > 0, f"optim.lr must be > 0, got {cfg.optim.lr}"),
         (t.keep_last >= 1, f"train.keep_last must be >= 1, got {t.keep_last}"),
         (bool(cfg.data.train), "data.train is empty; give at least one file or folder"),
+        (
+            cfg.student.activation_checkpointing_blocks >= 0,
+            "student.activation_checkpointing_blocks must be >= 0 (0 = every block)",
+        ),
+        (
+            cfg.student.activation_checkpointing_scope in CHECKPOINT_SCOPES,
+            f"student.activation_checkpointing_scope must be one of {CHECKPOINT_SCOPES}, got "
+            f"{cfg.student.activation_checkpointing_scope!r}",
+        ),
     ]
     for i, teacher in enumerate(cfg.teachers):
         rules += [

@@ -137,3 +137,67 @@ def test_checkpointing_the_first_blocks_keeps_gradients():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def _saved_bytes(model, ids) -> tuple[int, list[torch.Tensor]]:
+    """Bytes autograd keeps for backward over one forward (saved-tensor hooks), and the grads."""
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids).logits.float().pow(2).mean()
+    loss.backward()
+    return sum(saved), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_recomputing_the_mlps_keeps_gradients_and_saves_memory(compiled):
+    """`scope="mlp"`: each chosen block's MLP runs again in backward. Same gradients, less
+    kept for backward (eagerly measured: the gate/up activations of those blocks), state dict
+    names unchanged; it also runs inside compiled blocks."""
+    from crossdistill.distributed.parallelize import apply_activation_checkpointing, apply_compile
+
+    cfg = {"intermediate_size": 1024}  # MLP activations dominate, as in real shapes
+    ids = torch.randint(0, 512, (2, 32))
+    results = {}
+    for blocks in (None, 1, 0):
+        model = build_causal_lm(arch="tiny-llama", seed=0, overrides=cfg)
+        names = list(model.state_dict())
+        if blocks is not None:
+            apply_activation_checkpointing(model, blocks, scope="mlp")
+        assert list(model.state_dict()) == names
+        if compiled:
+            apply_compile(model)
+        results[blocks] = _saved_bytes(model, ids)
+    for blocks in (1, 0):
+        for a, b in zip(results[None][1], results[blocks][1]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    if not compiled:  # (compiled graphs save what their partitioner chooses)
+        layers = build_causal_lm(arch="tiny-llama", seed=0, overrides=cfg).config.num_hidden_layers
+        per_block = (results[None][0] - results[0][0]) / layers
+        act = 2 * 32 * 1024 * 4  # one [B, T, I] float32 activation
+        assert per_block >= 2 * act  # at least gate and up were not kept
+        assert results[1][0] == pytest.approx(results[None][0] - per_block, rel=1e-6)
+    with pytest.raises(ValueError, match="scope"):
+        apply_activation_checkpointing(build_causal_lm(arch="tiny-llama", seed=0), 0, "layer")
+
+
+def test_remove_recompute_undoes_both_scopes():
+    from crossdistill.distributed.parallelize import (
+        apply_activation_checkpointing,
+        decoder_layers,
+        remove_recompute,
+    )
+
+    ids = torch.randint(0, 512, (1, 8))
+    for scope in ("block", "mlp"):
+        model = build_causal_lm(arch="tiny-llama", seed=0)
+        plain = _saved_bytes(model, ids)[0]
+        apply_activation_checkpointing(model, 0, scope)
+        assert _saved_bytes(model, ids)[0] < plain
+        remove_recompute(model)
+        assert _saved_bytes(model, ids)[0] == plain
+        assert not any("forward" in vars(layer.mlp) for layer in decoder_layers(model))
