@@ -103,7 +103,11 @@ def apply_activation_checkpointing(model: nn.Module, blocks: int = 0, scope: str
         for layer in chosen:
             _recompute_in_backward(layer.mlp)
         return
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # the older name (deprecated where the new one exists)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     for layer in layers[len(chosen) :]:
         layer.gradient_checkpointing = False
 
