@@ -14,6 +14,7 @@ import json
 import math
 
 import torch
+from device_ceilings import time_ms  # (this folder is on the path when run as a script)
 
 SHAPES = {  # name: (query heads, key/value heads, head dim)
     "qwen3-4b (teacher)": (32, 8, 128),
@@ -33,20 +34,6 @@ def _segments(tokens: int, row: int, seed: int) -> tuple[torch.Tensor, int, floa
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     pairs = sum(n * (n + 1) / 2 for n in lengths)
     return cu.cuda(), max(lengths), pairs
-
-
-def _time_ms(fn, iters: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(iters):
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def flash(q, k, v, cu, longest, grad=None):
@@ -101,8 +88,8 @@ def main() -> None:
                     (out.float() - flash(q, k, v, cu, longest).float()).abs().max()
                 )
                 args_ = (q, k, v, cu, longest)
-                f_ms = _time_ms(lambda fn=fn, a=args_: fn(*a))
-                fb_ms = _time_ms(lambda fn=fn, a=args_, g=grad: fn(*a, g))
+                f_ms = time_ms(lambda fn=fn, a=args_: fn(*a))
+                fb_ms = time_ms(lambda fn=fn, a=args_, g=grad: fn(*a, g))
                 row[f"{label}_fwd_ms"] = f_ms
                 row[f"{label}_fwd_tflops"] = fwd_flop / f_ms / 1e9
                 row[f"{label}_fwd_bwd_ms"] = fb_ms

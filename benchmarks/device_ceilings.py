@@ -10,7 +10,8 @@ import sys
 import torch
 
 
-def _time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+def time_ms(fn, iters: int = 20, warmup: int = 5) -> float:
+    """Median CUDA-event time of `fn()` in ms (the other GPU scripts here use it too)."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,11 +50,11 @@ def main() -> None:
         n = 8192
         a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-        ms = _time_ms(lambda: a @ b)
+        ms = time_ms(lambda: a @ b)
         info["bf16_matmul_tflops"] = round(2 * n**3 / ms / 1e9, 1)
         x = torch.empty(2 * 1024**3 // 2, device="cuda", dtype=torch.bfloat16).normal_()
         y = torch.empty_like(x)
-        ms = _time_ms(lambda: y.copy_(x))
+        ms = time_ms(lambda: y.copy_(x))
         info["copy_tb_per_s"] = round(2 * x.numel() * 2 / ms / 1e9, 2)
     print(json.dumps(info))
 

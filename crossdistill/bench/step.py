@@ -72,22 +72,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--loss", default="forward_kl")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--baseline", choices=["none", "naive"], default="none")
-    p.add_argument(
-        "--ablate",
-        action="append",
-        default=[],
-        choices=sorted(ABLATIONS),
-        help="also time the step with one optimisation undone (repeatable): "
-        + "; ".join(f"{k}: {v}" for k, v in sorted(ABLATIONS.items())),
-    )
-    p.add_argument(
-        "--variant",
-        action="append",
-        default=[],
-        choices=sorted(VARIANTS),
-        help="also time the step with an alternative not on by default (repeatable): "
-        + "; ".join(f"{k}: {v}" for k, v in sorted(VARIANTS.items())),
-    )
+    for flag, table, what in (
+        ("--ablate", ABLATIONS, "with one optimisation undone"),
+        ("--variant", VARIANTS, "with an alternative not on by default"),
+    ):
+        p.add_argument(
+            flag,
+            action="append",
+            default=[],
+            choices=sorted(table),
+            help=f"also time the step {what} (repeatable): "
+            + "; ".join(f"{k}: {v}" for k, v in sorted(table.items())),
+        )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -179,13 +175,12 @@ def _matmul_tflops(device) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     from crossdistill.bench.step_setup import (
-        ablated_steps,
         build_bench,
         naive_step,
         profile_real_step,
         profiled_step,
+        retimed_steps,
         timed_steps,
-        variant_steps,
     )
     from crossdistill.errors import UserError
 
@@ -198,10 +193,9 @@ def run(args: argparse.Namespace) -> int:
     result.update(profiled_step(bench, args))
     if args.profile:
         result["profile"] = profile_real_step(bench, args)
-    for name in args.ablate:
-        result.update(ablated_steps(bench, args, name))
-    for name in args.variant:
-        result.update(variant_steps(bench, args, name))
+    for kind in ("ablate", "variant"):
+        for name in getattr(args, kind):
+            result.update(retimed_steps(bench, args, kind, name))
     if args.baseline == "naive":
         result.update(naive_step(bench, args))
     result["matmul_tflops_measured"] = _matmul_tflops(bench.device)

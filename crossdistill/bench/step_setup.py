@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from crossdistill.config import DataConfig, OptimConfig, TeacherConfig
 from crossdistill.losses import kd_count, student_loss
 from crossdistill.models import Teacher, build_causal_lm, load_tokenizer
-from crossdistill.models.attention import compute_dtype, segments_of, set_attention
+from crossdistill.models.attention import segments_of, set_attention
 from crossdistill.models.forward import final_hidden
 from crossdistill.train.optim import build_optimizer
 from crossdistill.train.step import StepSettings, TeacherSlot, make_term, train_step
@@ -179,69 +180,55 @@ def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
     return out
 
 
-def ablated_steps(bench: Bench, args, name: str) -> dict[str, float]:
-    """The real step timed again with one optimisation undone (`ABLATIONS` in `bench.step`)."""
-    models = [bench.student] + [s.teacher.model for s in bench.slots]
-    if name == "eager":
-        from crossdistill.distributed.parallelize import apply_compile, remove_compile
-
-        for model in models:
-            remove_compile(model)
-        try:
-            out = timed_steps(bench, args)
-        finally:
-            if args.compile:
-                for model in models:
-                    apply_compile(model)
-    elif name == "torch-varlen":
-        from crossdistill.models import attention
-
-        attention.set_varlen_backend("torch")
-        try:
-            out = timed_steps(bench, args)
-        finally:
-            attention.set_varlen_backend("flash")
-    elif name == "fp32-queries":
-        from crossdistill.models import attention
-
-        attention.compute_dtype = lambda query: query.dtype
-        try:
-            out = timed_steps(bench, args)
-        finally:
-            attention.compute_dtype = compute_dtype
-    elif name == "full-topk":
-        from crossdistill.losses import targets
-
-        blocks, targets.topk_by_blocks = targets.topk_by_blocks, lambda z, k: z.topk(k, dim=1)
-        try:
-            out = timed_steps(bench, args)
-        finally:
-            targets.topk_by_blocks = blocks
-    elif name == "sdpa":
-        for model in models:
-            set_attention(model, "sdpa")
-        try:
-            out = timed_steps(bench, args)
-        finally:
-            for model in models:
-                set_attention(model, "varlen")
-    else:
-        raise ValueError(f"unknown ablation {name!r}")
-    return {f"ablate/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
-
-
-def variant_steps(bench: Bench, args, name: str) -> dict[str, float]:
-    """The real step timed again with an alternative switched on (`VARIANTS` in `bench.step`)."""
-    if name != "block-stats":
-        raise ValueError(f"unknown variant {name!r}")
-    from crossdistill.losses import targets
-
-    targets.TARGET_FLOW["name"] = "blocks"
+def retimed_steps(bench: Bench, args, kind: str, name: str) -> dict[str, float]:
+    """The real step timed again under one switch: an optimisation undone (`kind` "ablate",
+    `ABLATIONS` in `bench.step`) or an alternative switched on ("variant", `VARIANTS`)."""
+    do, undo = _switch(bench, args, name)
+    do()
     try:
         out = timed_steps(bench, args)
     finally:
-        targets.TARGET_FLOW["name"] = "bitmask"
-    return {f"variant/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
+        undo()
+    return {f"{kind}/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
+
+
+def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(switch on, switch back) for one ablation or variant."""
+    from crossdistill.distributed.parallelize import apply_compile, remove_compile
+    from crossdistill.losses import targets
+    from crossdistill.models import attention
+
+    models = [bench.student] + [s.teacher.model for s in bench.slots]
+
+    def on_each(fn: Callable[[Any], None]) -> Callable[[], None]:
+        def run() -> None:
+            for model in models:
+                fn(model)
+
+        return run
+
+    if name == "eager":
+        return on_each(remove_compile), on_each(apply_compile if args.compile else lambda m: None)
+    if name == "sdpa":
+        return (
+            on_each(lambda m: set_attention(m, "sdpa")),
+            on_each(lambda m: set_attention(m, "varlen")),
+        )
+    if name == "torch-varlen":
+        return (
+            lambda: attention.set_varlen_backend("torch"),
+            lambda: attention.set_varlen_backend("flash"),
+        )
+    replaced = {  # name: (module, attribute, its value during the run)
+        "fp32-queries": (attention, "compute_dtype", lambda query: query.dtype),
+        "full-topk": (targets, "topk_by_blocks", lambda z, k: z.topk(k, dim=1)),
+        "block-stats": (targets, "TARGET_FLOW", {"name": "blocks"}),
+    }
+    if name not in replaced:
+        raise ValueError(f"unknown ablation or variant {name!r}")
+    module, attr, value = replaced[name]
+    old = getattr(module, attr)
+    return lambda: setattr(module, attr, value), lambda: setattr(module, attr, old)
 
 
 def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:

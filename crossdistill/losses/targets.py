@@ -193,15 +193,50 @@ def topk_by_blocks(z: Tensor, k: int, block: int = TOPK_BLOCK) -> tuple[Tensor, 
     reach v_k, the k taken hold k elements ≥ v_k. Among equal values, which ids are returned may
     differ from `torch.topk` (which leaves that order unspecified too). Falls back to
     `torch.topk` where `block` does not divide V or the blocks would not save work."""
-    c, v = z.shape
-    nb = v // block
-    if v % block or nb <= 4 * k or not z.is_contiguous():
+    if not _blocks_apply(z, k, block):
         return z.topk(k, dim=1)
-    blocks = z.view(c, nb, block)
-    best = blocks.amax(2).topk(k, dim=1).indices  # [c, k] blocks
+    c, v = z.shape
+    vals, ids, _, _, _ = _top_of_blocks(z, z.view(c, v // block, block).amax(2), k, block)
+    return vals, ids
+
+
+def _blocks_apply(z: Tensor, k: int, block: int) -> bool:
+    """Whether the top-k can come from blocks: whole blocks, and many more of them than k."""
+    v = z.shape[1]
+    return v % block == 0 and v // block > 4 * k and z.is_contiguous()
+
+
+def _top_of_blocks(
+    z: Tensor, block_max: Tensor, k: int, block: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The top-k of `z [c, V]` from the k blocks with the largest `block_max [c, V / block]`:
+    (values `[c, k]` descending, ids `[c, k]`, the blocks taken `[c, k]`, their candidates
+    `[c, k·block]`, the top-k's positions among the candidates `[c, k]`)."""
+    c, v = z.shape
+    best = block_max.topk(k, dim=1).indices  # [c, k] blocks
+    blocks = z.view(c, v // block, block)
     cand = blocks.gather(1, best.unsqueeze(2).expand(c, k, block)).view(c, k * block)
     vals, at = cand.topk(k, dim=1)
-    return vals, best.gather(1, at // block) * block + at % block
+    return vals, best.gather(1, at // block) * block + at % block, best, cand, at
+
+
+def _chunk_log_probs(
+    z: Tensor,
+    next_ids: Tensor,
+    vals: Tensor,
+    zmax: Tensor,
+    s: Tensor,
+    tail: Tensor,
+    temperature: float,
+    tail_floor: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(next log-prob `[c]`, top-k log-probs `[c, k]`, tail log-prob `[c]`) of a chunk from its
+    row max `zmax [c]`, sums `s [c, T]` (τ = 1 first, τ last) and tail sum `tail [c]` at τ."""
+    nxt = next_ids.clamp(min=0).unsqueeze(1)
+    next_lp = z.gather(1, nxt).squeeze(1).to(zmax.dtype) - zmax - s[:, 0].log()
+    log_s = s[:, -1].log()
+    top_lp = (vals.to(zmax.dtype) - zmax.unsqueeze(1)) / temperature - log_s.unsqueeze(1)
+    return next_lp, top_lp, tail.clamp(min=tail_floor).log() - log_s
 
 
 # Which flow computes a half-precision chunk's targets: "bitmask" (top-k by blocks, then the
@@ -221,30 +256,21 @@ def _blocks_chunk(
     where the blocks do not apply."""
     from crossdistill.losses.fused import block_stats
 
-    c, v = z.shape
-    block = TOPK_BLOCK
-    nb = v // block
-    if v % block or nb <= 4 * top_k or not z.is_contiguous():
+    if not _blocks_apply(z, top_k, TOPK_BLOCK):
         return None
     taus = [1.0] if temperature == 1.0 else [1.0, temperature]
-    bmax, bsum = block_stats(z, block, taus)
+    bmax, bsum = block_stats(z, TOPK_BLOCK, taus)
     zmax = bmax.max(1).values
     shift = bmax - zmax.unsqueeze(1)  # each block's sums rescaled to the row max
     weight = torch.stack([bsum[:, :, i] * (shift / t).exp() for i, t in enumerate(taus)], 2)
     s = weight.sum(1)  # [c, T]
-    best = bmax.topk(top_k, dim=1).indices  # [c, k] blocks
-    blocks = z.view(c, nb, block)
-    cand = blocks.gather(1, best.unsqueeze(2).expand(c, top_k, block)).view(c, top_k * block)
-    vals, at = cand.topk(top_k, dim=1)
-    ids = best.gather(1, at // block) * block + at % block
+    vals, ids, best, cand, at = _top_of_blocks(z, bmax, top_k, TOPK_BLOCK)
     rest = weight[:, :, -1].scatter(1, best, 0.0).sum(1)  # blocks outside the top-k blocks
     e = ((cand.to(zmax.dtype) - zmax.unsqueeze(1)) / taus[-1]).exp().scatter(1, at, 0.0)
     tail = rest + e.sum(1)  # + candidates outside the top-k
-    nxt = next_ids.clamp(min=0).unsqueeze(1)
-    next_lp = z.gather(1, nxt).squeeze(1).to(zmax.dtype) - zmax - s[:, 0].log()
-    log_s = s[:, -1].log()
-    top_lp = (vals.to(zmax.dtype) - zmax.unsqueeze(1)) / temperature - log_s.unsqueeze(1)
-    tail_lp = tail.clamp(min=tail_floor).log() - log_s
+    next_lp, top_lp, tail_lp = _chunk_log_probs(
+        z, next_ids, vals, zmax, s, tail, temperature, tail_floor
+    )
     return next_lp, top_lp, ids, tail_lp
 
 
@@ -265,11 +291,9 @@ def _fused_chunk(
     vals, ids = topk_by_blocks(z, top_k)  # sorted, descending
     taus = [1.0] if temperature == 1.0 else [1.0, temperature]
     zmax, _, s, tail = row_stats(z, taus, [bucket_bits(ids, None, z.shape[1])], [len(taus) - 1])
-    nxt = next_ids.clamp(min=0).unsqueeze(1)
-    next_lp = z.gather(1, nxt).squeeze(1).to(zmax.dtype) - zmax - s[:, 0].log()
-    log_s = s[:, -1].log()
-    top_lp = (vals.to(zmax.dtype) - zmax.unsqueeze(1)) / temperature - log_s.unsqueeze(1)
-    tail_lp = tail[:, 0].clamp(min=tail_floor).log() - log_s
+    next_lp, top_lp, tail_lp = _chunk_log_probs(
+        z, next_ids, vals, zmax, s, tail[:, 0], temperature, tail_floor
+    )
     return next_lp, top_lp, ids, tail_lp
 
 
