@@ -7,8 +7,9 @@
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
 # EXTRA: more `bench step` arguments for the step2048 stage, TAG: a suffix for its file name.
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
-#   tests ceilings loss step2048 multi step4096 accum equal
-# accum: the three setups with 4 micro-batches per optimizer step; equal: optimised vs plain.
+#   tests ceilings kernels loss step2048 multi step4096 accum equal
+# kernels: varlen attention and teacher top-k alone; accum: the three setups with 4
+# micro-batches per optimizer step; equal: optimised vs plain.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -27,6 +28,10 @@ if stage tests; then
         tests/unit/test_losses_fused.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
 fi
 stage ceilings && $py benchmarks/device_ceilings.py | tee "$OUT/ceilings-$stamp.json"
+if stage kernels; then
+    $py benchmarks/attention_backends.py | tee "$OUT/attention-backends-$stamp.json"
+    $py benchmarks/topk_blocks.py | tee "$OUT/topk-blocks-$stamp.json"
+fi
 if stage loss; then
     for c in 2048 2752 4096; do
         $py -m crossdistill bench loss --device cuda --json --repeats 15 --chunk-size $c \
