@@ -49,7 +49,7 @@ stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len
 stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
     --steps 8 --warmup 3 --compile --baseline naive
 A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile --baseline naive
-   --variant block-stats)
+   --variant bitmask-stats)
 if stage accum; then
     step qwen3-4b-llama-1b-2048-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
         --checkpoint-blocks 2 "${A[@]}"

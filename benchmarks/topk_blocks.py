@@ -35,6 +35,7 @@ def main() -> None:
             "topk_by_blocks_ms": time_ms(lambda z=z: targets.topk_by_blocks(z, k)),
             "block_max_pass_ms": time_ms(lambda z=z: z.view(z.shape[0], -1, 128).amax(2)),
         }
+        default = targets.TARGET_FLOW["name"]
         for flow in ("bitmask", "blocks"):
             targets.TARGET_FLOW["name"] = flow
             try:
@@ -44,7 +45,7 @@ def main() -> None:
                     lambda z=z, n=nxt: targets._fused_chunk(z, n, k, 1.0, tiny)
                 )
             finally:
-                targets.TARGET_FLOW["name"] = "bitmask"
+                targets.TARGET_FLOW["name"] = default
         out[f"{name} (V = {vocab})"] = row
     print(json.dumps(out, indent=1))
 

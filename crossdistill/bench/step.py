@@ -28,12 +28,14 @@ ABLATIONS = {
     "torch-varlen": "torch.nn.attention.varlen_attn (its own backend choice) for varlen attention",
     "full-topk": "teacher top-k by torch.topk over the whole vocabulary (not from the blocks "
     "with the largest maxima)",
+    "padded-teachers": "each cross teacher's body over its padded [B, T_t] rows (not over the "
+    "non-pad tokens alone)",
     "fp32-queries": "attention of the float32 student in float32 under autocast (misses flash: "
     "the masked path over all T² scores)",
 }
 VARIANTS = {
-    "block-stats": "teacher targets from one pass of per-block maxima and sums (the max, S_τ, "
-    "top-k and exact tail from them) instead of top-k by blocks + the bitmask stats kernel",
+    "bitmask-stats": "teacher targets by top-k from the blocks, then the stats kernel over the "
+    "whole chunk with a bitmask of the top-k (instead of one pass of per-block maxima and sums)",
 }
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:

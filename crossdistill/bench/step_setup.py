@@ -197,6 +197,7 @@ def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable
     from crossdistill.distributed.parallelize import apply_compile, remove_compile
     from crossdistill.losses import targets
     from crossdistill.models import attention
+    from crossdistill.train import step as train_step_module
 
     models = [bench.student] + [s.teacher.model for s in bench.slots]
 
@@ -222,7 +223,8 @@ def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable
     replaced = {  # name: (module, attribute, its value during the run)
         "fp32-queries": (attention, "compute_dtype", lambda query: query.dtype),
         "full-topk": (targets, "topk_by_blocks", lambda z, k: z.topk(k, dim=1)),
-        "block-stats": (targets, "TARGET_FLOW", {"name": "blocks"}),
+        "bitmask-stats": (targets, "TARGET_FLOW", {"name": "bitmask"}),
+        "padded-teachers": (train_step_module, "DROP_TEACHER_PADDING", {"mode": "off"}),
     }
     if name not in replaced:
         raise ValueError(f"unknown ablation or variant {name!r}")
@@ -235,8 +237,7 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
     """The same work as a step, phase by phase with a device sync between phases (slower than
     the real step; used for the split only). Times are per optimizer step."""
     from crossdistill.bench.step import Timer
-    from crossdistill.losses import teacher_targets
-    from crossdistill.losses.targets import kd_positions
+    from crossdistill.train.step import targets_from_hidden, teacher_hidden
 
     dev, timer = bench.device, Timer(bench.device.type == "cuda")
     for i in range(repeats * args.grad_accum):
@@ -245,20 +246,11 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
         terms = []
         for k, slot in enumerate(bench.slots):
             tb = batch.teachers[k]
-            with timer(f"teacher_body/{slot.cfg.name}"), torch.no_grad():
-                hidden = slot.teacher.hidden_states(
-                    tb.input_ids, tb.position_ids, segments_of(tb, dev)
-                )
+            with timer(f"teacher_body/{slot.cfg.name}"):
+                hidden, rows = teacher_hidden(slot, tb, dev)
             with timer(f"teacher_targets/{slot.cfg.name}"):
-                targets = teacher_targets(
-                    hidden.flatten(0, 1),
-                    slot.teacher.lm_head_weight,
-                    kd_positions(tb.chunks)[1],
-                    tb.labels.flatten(),
-                    top_k=slot.cfg.top_k,
-                    temperature=slot.cfg.temperature,
-                    chunk_size=bench.settings.loss_chunk_size,
-                )
+                chunk = bench.settings.loss_chunk_size
+                targets = targets_from_hidden(slot, tb, hidden, rows, chunk, dev)
             term = make_term(slot, tb, targets, dev)
             term.denominator = kd_count(term, labels).to(torch.float32)
             terms.append(term)

@@ -70,6 +70,9 @@ class TeacherBatch:
     num_kd: `kd_valid.sum()` as a Python int.
     same_as_student: True when this teacher reuses the student's tensors.
     cu_seqlens / max_seqlen: the teacher's attention segments, as for the student.
+    real_index / real_cu_seqlens / real_max_seqlen (cross teachers): the flat positions of the
+        non-pad tokens `[N]` and their segments once the padding is dropped, so the teacher's
+        body can run on `[1, N]` instead of `[B, T_t]` (see `train.step.teacher_hidden`).
     """
 
     input_ids: torch.Tensor
@@ -82,6 +85,9 @@ class TeacherBatch:
     same_as_student: bool
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
+    real_index: torch.Tensor | None = None
+    real_cu_seqlens: torch.Tensor | None = None
+    real_max_seqlen: int = 0
 
 
 @dataclass
@@ -166,6 +172,19 @@ def segments_from_docs(doc_ids: np.ndarray) -> tuple[np.ndarray, int]:
     starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
     cu = np.append(np.flatnonzero(starts.reshape(-1)), b * t).astype(np.int32)
     return cu, int(np.diff(cu).max()) if cu.size > 1 else 0
+
+
+def real_segments(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """`[B, T]` document ids (-1 on padding) -> (flat positions of the non-pad tokens `[N]`,
+    `cu_seqlens` of their segments once the padding is dropped, longest segment). The segments
+    are those of `segments_from_docs` without the padding runs: rows stay apart."""
+    flat = doc_ids.reshape(-1)
+    index = np.flatnonzero(flat >= 0)
+    cu, _ = segments_from_docs(doc_ids)
+    lengths = np.diff(cu)
+    lengths = lengths[flat[cu[:-1]] >= 0]
+    real_cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return index, real_cu, int(lengths.max()) if lengths.size else 0
 
 
 def shifted_labels(ids: np.ndarray, target: np.ndarray, doc: np.ndarray) -> np.ndarray:

@@ -24,6 +24,7 @@ from crossdistill.data.batch import (
     TeacherBatch,
     identity_chunks,
     pack_tensors,
+    real_segments,
     segments_from_docs,
     shifted_labels,
 )
@@ -112,8 +113,10 @@ def collate(
     for k, arrays in teachers.items():
         segs.setdefault(k, segments_from_docs(arrays[3]) if k >= 0 else segs[-1])
     cross = [k for k in teachers if k >= 0]
+    real = {k: real_segments(teachers[k][3]) for k in cross}
     arrays_all = student + [segs[-1][0]]
     arrays_all += [a for arrays in teachers.values() for a in arrays] + [segs[k][0] for k in cross]
+    arrays_all += [a for k in cross for a in real[k][:2]]
     tensors = iter(pack_tensors(arrays_all))
     s_t = [next(tensors) for _ in student]
     cu_s = next(tensors)
@@ -137,6 +140,9 @@ def collate(
             built[k] = TeacherBatch(*t, num_kd=int(kd.sum()), same_as_student=False)
     for k in cross:
         built[k].cu_seqlens, built[k].max_seqlen = next(tensors), segs[k][1]
+    for k in cross:
+        built[k].real_index, built[k].real_cu_seqlens = next(tensors), next(tensors)
+        built[k].real_max_seqlen = real[k][2]
     return Batch(student=student_batch, teachers=[built[k] for k in slots])
 
 

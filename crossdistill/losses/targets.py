@@ -239,11 +239,12 @@ def _chunk_log_probs(
     return next_lp, top_lp, tail.clamp(min=tail_floor).log() - log_s
 
 
-# Which flow computes a half-precision chunk's targets: "bitmask" (top-k by blocks, then the
-# `stats` kernel over the whole chunk with a bitmask of the top-k) or "blocks" (one pass for
-# block maxima and sums; everything else from them and the top-k blocks' candidates).
-# "blocks" reads the chunk once less; it is chosen per run by `bench step --variant`.
-TARGET_FLOW = {"name": "bitmask"}
+# Which flow computes a half-precision chunk's targets: "blocks" (one pass for block maxima and
+# sums; everything else from them and the top-k blocks' candidates) or "bitmask" (top-k by
+# blocks, then the `stats` kernel over the whole chunk with a bitmask of the top-k). "blocks"
+# reads the chunk once less (measured in benchmarks/README.md); `bench step --variant
+# bitmask-stats` times the other beside it.
+TARGET_FLOW = {"name": "blocks"}
 
 
 def _blocks_chunk(

@@ -209,6 +209,26 @@ def varlen_attention(
     return out.view(b, t, h, d), None
 
 
+def flash_covers(model: torch.nn.Module, device: torch.device, longest: int) -> bool:
+    """Whether every attention layer of `model` runs the flash varlen kernel on `device` for
+    segments of at most `longest` tokens (no layer falls back to the masked path, whose cost
+    grows with the row length squared)."""
+    cfg = model.config
+    if device.type != "cuda" or getattr(cfg, "_attn_implementation", None) != VARLEN:
+        return False
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+    heads = getattr(cfg, "num_attention_heads", 1)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    query = torch.empty(0, heads, 0, head_dim, dtype=dtype, device=device)
+    if not _flash_ok(query, None, dtype):
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    windowed = getattr(cfg, "use_sliding_window", True) is not False
+    return window is None or not windowed or window >= longest
+
+
 def compute_dtype(query: Tensor) -> torch.dtype:
     """The dtype attention computes in: under autocast, the autocast dtype, as SDPA would use.
     A float32 model under bf16 autocast (mixed-precision training with float32 master weights)

@@ -34,7 +34,7 @@ from crossdistill.losses import (
     student_loss,
     teacher_targets,
 )
-from crossdistill.models.attention import segments_of
+from crossdistill.models.attention import flash_covers, segments_of
 from crossdistill.models.forward import final_hidden
 from crossdistill.models.teacher import Teacher
 
@@ -64,22 +64,75 @@ def _to(x: Tensor, device: torch.device) -> Tensor:
     return x.to(device, non_blocking=True)
 
 
+# Whether a cross teacher's body runs on its non-pad tokens only (`[1, N]` instead of the
+# padded `[B, T_t]`): "auto" where flash varlen attention covers every layer (there the rows
+# need no shape of their own; the masked fallback would cost `N²` instead of `B·T_t²`), "on",
+# "off" (`bench step --ablate padded-teachers`).
+DROP_TEACHER_PADDING = {"mode": "auto"}
+
+
+def _real_rows(slot: TeacherSlot, tb, device: torch.device) -> Tensor | None:
+    """The flat positions of `tb`'s non-pad tokens on `device` where the teacher's body runs on
+    them alone, else None."""
+    mode = DROP_TEACHER_PADDING["mode"]
+    index = getattr(tb, "real_index", None)
+    if mode == "off" or index is None or tb.real_max_seqlen == 0:
+        return None
+    if mode == "auto" and not flash_covers(slot.teacher.model, device, tb.real_max_seqlen):
+        return None
+    return _to(index, device)
+
+
 @torch.no_grad()
-def run_teacher(slot: TeacherSlot, tb, chunk_size: int, device: torch.device) -> TeacherTargets:
-    """Teacher forward on one micro-batch -> its sparse targets (top-k at KD positions)."""
+def teacher_hidden(slot: TeacherSlot, tb, device: torch.device) -> tuple[Tensor, Tensor | None]:
+    """(final hidden states, the flat positions they are at or None): `[B·T_t, H_t]` over the
+    padded rows, or `[N, H_t]` over the non-pad tokens only, which skips the padding's share of
+    the teacher's FLOPs (cross teachers pad every row to the longest, rounded up)."""
     ids, pos = _to(tb.input_ids, device), _to(tb.position_ids, device)
-    hidden = slot.teacher.hidden_states(ids, pos, segments_of(tb, device))  # [B, T_t, H_t]
-    chunks = _to(tb.chunks, device)
-    _, kd_rows_t = kd_positions(chunks)
-    return teacher_targets(
-        hidden.flatten(0, 1),
+    rows = _real_rows(slot, tb, device)
+    if rows is None:
+        hidden = slot.teacher.hidden_states(ids, pos, segments_of(tb, device))  # [B, T_t, H_t]
+        return hidden.flatten(0, 1), None
+    segments = (_to(tb.real_cu_seqlens, device), tb.real_max_seqlen)
+    flat = [x.view(1, -1).index_select(1, rows) for x in (ids, pos)]  # [1, N]
+    return slot.teacher.hidden_states(*flat, segments)[0], rows
+
+
+@torch.no_grad()
+def targets_from_hidden(
+    slot: TeacherSlot, tb, hidden: Tensor, rows: Tensor | None, chunk_size: int, device
+) -> TeacherTargets:
+    """`teacher_hidden`'s output -> the teacher's sparse targets (top-k at the KD positions),
+    in the padded rows' coordinates either way."""
+    _, kd_rows_t = kd_positions(_to(tb.chunks, device))
+    labels = _to(tb.labels, device).flatten()
+    if rows is not None:  # to the positions among the non-pad tokens
+        where = torch.full_like(labels, -1).index_copy_(
+            0, rows, torch.arange(rows.numel(), device=device)
+        )
+        kd_rows_t = torch.where(kd_rows_t >= 0, where[kd_rows_t.clamp(min=0)], -1)
+    targets = teacher_targets(
+        hidden,
         slot.teacher.lm_head_weight,
         kd_rows_t,
-        _to(tb.labels, device).flatten(),
+        labels if rows is None else labels.index_select(0, rows),
         top_k=min(slot.cfg.top_k, slot.teacher.lm_head_weight.shape[0]),
         temperature=slot.cfg.temperature,
         chunk_size=chunk_size,
     )
+    if rows is not None:  # next-token results back over the padded rows
+        n = labels.numel()
+        targets.next_logprobs = targets.next_logprobs.new_zeros(n).index_copy_(
+            0, rows, targets.next_logprobs
+        )
+        targets.next_valid = labels >= 0
+    return targets
+
+
+def run_teacher(slot: TeacherSlot, tb, chunk_size: int, device: torch.device) -> TeacherTargets:
+    """Teacher forward on one micro-batch -> its sparse targets (top-k at KD positions)."""
+    hidden, rows = teacher_hidden(slot, tb, device)
+    return targets_from_hidden(slot, tb, hidden, rows, chunk_size, device)
 
 
 def target_bytes(slot: TeacherSlot, labels_t: Tensor) -> Tensor:

@@ -118,6 +118,11 @@ def check_teacher(batch, k: int, tb_s, tb_t, pad_multiple: int, text_only: bool 
     assert covered_s == np.flatnonzero(doc_s >= 0).tolist()
     assert covered_t == np.flatnonzero(doc_t >= 0).tolist()
     assert t.num_kd == int(kd.sum())
+    if not t.same_as_student:  # the non-pad tokens and their segments, padding dropped
+        assert t.real_index.tolist() == np.flatnonzero(doc_t >= 0).tolist()
+        lengths = [b - a for row in t.doc_ids.numpy() for a, b in doc_segments(row)]
+        assert t.real_cu_seqlens.tolist() == np.cumsum([0] + lengths).tolist()
+        assert t.real_max_seqlen == max(lengths, default=0)
     lab_t = t.labels.numpy()
     ids_t2, doc_t2 = t.input_ids.numpy(), t.doc_ids.numpy()
     for b in range(b_size):

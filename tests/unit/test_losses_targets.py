@@ -81,11 +81,13 @@ def test_teacher_targets_bf16_is_close_to_float64():
 
 @pytest.mark.parametrize("tau", [1.0, 0.7])
 @pytest.mark.parametrize("top_k", [5, 23])
-def test_fused_chunk_flow_matches_the_plain_path(tau, top_k):
-    """The CUDA flow (top-k, one stats pass with a top-k bitmask, gather), here on its PyTorch
-    stand-ins, gives the plain path's targets."""
+def test_fused_chunk_flow_matches_the_plain_path(tau, top_k, monkeypatch):
+    """The CUDA bitmask flow (top-k, one stats pass with a top-k bitmask, gather), here on its
+    PyTorch stand-ins, gives the plain path's targets."""
+    from crossdistill.losses import targets
     from crossdistill.losses.targets import _fused_chunk
 
+    monkeypatch.setitem(targets.TARGET_FLOW, "name", "bitmask")
     h, w, nxt = _teacher(3)
     kd = torch.arange(9)
     want = teacher_targets(h, w, kd, nxt, top_k=top_k, temperature=tau, chunk_size=4)

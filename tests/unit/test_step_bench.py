@@ -18,7 +18,8 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
         sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--seq-len", "64", "--micro-batch", "2", "--json",
         "--profile", "--ablate", "sdpa", "--ablate", "fp32-queries", "--ablate", "full-topk",
-        "--variant", "block-stats",
+        "--ablate", "padded-teachers",
+        "--variant", "bitmask-stats",
         "--baseline", "naive",
         "--grad-accum", "2",
         "--student", "llama-3.2-1b", "--student-tokenizer", str(tokenizer_dir("llama2")),
@@ -30,7 +31,7 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     for key in (
         "tokens_per_s", "naive_tokens_per_s", "ablate/sdpa/tokens_per_s", "loss_fraction",
         "loader_fraction", "flops_per_token", "ablate/fp32-queries/tokens_per_s",
-        "variant/block-stats/tokens_per_s",
+        "variant/bitmask-stats/tokens_per_s", "ablate/padded-teachers/tokens_per_s",
     ):  # fmt: skip
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["grad_accum"] == 2 and "ms/optimizer" in result
