@@ -9,7 +9,8 @@
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
 #   tests ceilings kernels loss step2048 multi step4096 accum equal
 # kernels: varlen attention and teacher top-k alone; accum: the three setups with 4
-# micro-batches per optimizer step; equal: optimised vs plain.
+# micro-batches per optimizer step, each beside its teachers on padded rows; equal: optimised
+# vs plain.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-benchmarks/results}
@@ -49,16 +50,15 @@ stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len
 stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
     --steps 8 --warmup 3 --compile --baseline naive
 A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile --baseline naive
-   --variant bitmask-stats)
+   --ablate padded-teachers)
 if stage accum; then
     step qwen3-4b-llama-1b-2048-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
         --checkpoint-blocks 2 "${A[@]}"
     step qwen3-4b-llama-1b-4096-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
         --checkpoint-blocks 2 "${A[@]}"
-    step phi4mini-llama3b-llama-1b-2048-accum4 "${S[@]}" "${P[@]}" --seq-len 2048 \
-        --micro-batch 4 "${A[@]}"
-    step phi4mini-llama3b-llama-1b-2048-accum4-mlp8 "${S[@]}" "${P[@]}" --seq-len 2048 \
-        --micro-batch 4 --checkpoint-blocks 8 --checkpoint-scope mlp "${A[@]}"
+    step phi4mini-llama3b-llama-1b-2048-accum4-mlp6 "${S[@]}" "${P[@]}" --seq-len 2048 \
+        --micro-batch 4 --checkpoint-blocks 6 --checkpoint-scope mlp --variant bitmask-stats \
+        "${A[@]}"
 fi
 stage equal && $py benchmarks/optimised_vs_plain.py "${S[@]}" "${Q[@]}" --seq-len 2048 \
     --micro-batch 2 --steps 20 | tee "$OUT/optimised-vs-plain-$stamp.json"

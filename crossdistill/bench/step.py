@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     bench = build_bench(args)
     result = timed_steps(bench, args)
+    bench.teacher_ratio = result["teacher_tokens_per_student_token"]
     result.update(profiled_step(bench, args))
     if args.profile:
         result["profile"] = profile_real_step(bench, args)

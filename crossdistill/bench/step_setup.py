@@ -124,9 +124,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _next_window(bench: Bench, args) -> list:
-    """The micro-batches of one optimizer step, on the device."""
-    return [next(bench.loader).to(bench.device, non_blocking=True) for _ in range(args.grad_accum)]
+def _next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
+    """The micro-batches of one optimizer step, on the device. `counts` (student tokens, then
+    each teacher's non-pad tokens) grows by the window's, counted on the host copies."""
+    window = []
+    for _ in range(args.grad_accum):
+        batch = next(bench.loader)
+        if counts is not None:
+            counts[0] += batch.student.input_ids.numel()
+            for k, tb in enumerate(batch.teachers):
+                counts[1 + k] += int((tb.doc_ids >= 0).sum())
+        window.append(batch.to(bench.device, non_blocking=True))
+    return window
 
 
 def _one_step(bench: Bench, window: list) -> None:
@@ -145,20 +154,23 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     wait = 0.0
-    tokens = 0
+    counts = [0] * (1 + len(bench.slots))
     t0 = time.perf_counter()
     for _ in range(args.steps):
         w0 = time.perf_counter()
-        window = _next_window(bench, args)
+        window = _next_window(bench, args, counts)
         wait += time.perf_counter() - w0
-        tokens += sum(mb.student.input_ids.numel() for mb in window)
         _one_step(bench, window)
     _sync(dev)
     total = time.perf_counter() - t0
+    tokens = counts[0]
     out = {
         "tokens_per_s": tokens / total,
         "ms/step": 1e3 * total / args.steps,
         "loader_fraction": wait / total,
+        # the teachers' work per student token in exactly the timed batches (it varies from
+        # batch to batch by several percent): what the FLOP count uses
+        "teacher_tokens_per_student_token": [c / max(tokens, 1) for c in counts[1:]],
     }
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -189,7 +201,8 @@ def retimed_steps(bench: Bench, args, kind: str, name: str) -> dict[str, float]:
         out = timed_steps(bench, args)
     finally:
         undo()
-    return {f"{kind}/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
+    skip = ("loader_fraction", "teacher_tokens_per_student_token")
+    return {f"{kind}/{name}/{k}": v for k, v in out.items() if k not in skip}
 
 
 def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable[[], None]]:

@@ -35,6 +35,9 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     ):  # fmt: skip
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["grad_accum"] == 2 and "ms/optimizer" in result
+    # the teachers' tokens of the timed batches themselves (Mistral's tokenizer on Llama-2's)
+    (ratio,) = result["teacher_tokens_per_student_token"]
+    assert 0.8 < ratio < 1.25 and ratio != 1.0
     prof = result["profile"]
     assert prof["top"] and prof["busy_ms"] > 0 and prof["step_ms"] > 0
     assert abs(sum(prof["ms_by_kind"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9

@@ -1,0 +1,131 @@
+"""Recount the FLOPs of recorded `bench step` results with the teachers' tokens of exactly the
+batches that were timed.
+
+`bench step` results recorded before it counted the timed batches themselves (the
+`teacher_tokens_per_student_token` it reports now) took the ratio from the one batch drawn before
+warm-up; it varies from batch to batch by several percent (1.00–1.13 for Qwen3's tokenizer
+against Llama-3's on the benchmark's text). The data are deterministic, so the timed batches can
+be drawn again here, on the CPU, with the loader `bench step` builds on a CUDA machine, and the
+FLOPs per token and the MFU recomputed from the recorded tokens/s. The text is the running
+interpreter's standard library, so the batches are the recorded run's only under the same Python
+version (`same_batches`: the batch drawn before warm-up gives the recorded ratio); otherwise the
+recount is an estimate from the same kind of text.
+
+    python benchmarks/recount_teacher_tokens.py --tokenizers $TOK results/step-*.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import tempfile
+from pathlib import Path
+
+PEAK_TFLOPS = 989.0  # dense bf16 datasheet, H100 SXM and H200
+
+
+def _bench_args(command: str, tokenizers: Path) -> argparse.Namespace:
+    from crossdistill.bench.step import add_parser
+
+    words = shlex.split(command)[3:]  # after "crossdistill bench step"
+    words = [w.replace("/tmp/tok", str(tokenizers)) for w in words]
+    for flag in ("--variant", "--ablate"):  # they do not change the data (and names change)
+        while flag in words:
+            i = words.index(flag)
+            del words[i : i + 2]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["step", *words])
+
+
+def _timed_counts(args, cuda_workers: int = 4) -> tuple[list[float], ...]:
+    """Teacher non-pad tokens per student token in the batch drawn before warm-up and over the
+    batches `bench step` timed, and the teachers' row slots (padding included) per non-pad
+    token over those batches."""
+    from crossdistill.bench.step_setup import _corpus
+    from crossdistill.config import DataConfig
+    from crossdistill.data import build_loader
+    from crossdistill.models import load_tokenizer
+
+    steps = (args.warmup + args.steps) * args.grad_accum + 4
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = _corpus(Path(tmp), min_bytes=steps * args.micro_batch * args.seq_len * 5)
+        cfg = DataConfig(
+            train=[str(corpus)],
+            seq_len=args.seq_len,
+            micro_batch_size=args.micro_batch,
+            num_workers=cuda_workers,
+            val_fraction=0.0,
+        )
+        tok_s = load_tokenizer(args.student_tokenizer)
+        toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
+        loader = iter(build_loader(cfg, tok_s, toks_t, split="train"))
+        sample = next(loader)  # what `bench step` drew before warm-up (its old ratio)
+        n_s = int((sample.student.doc_ids >= 0).sum())
+        first = [float((tb.doc_ids >= 0).sum()) / max(n_s, 1) for tb in sample.teachers]
+        for _ in range(args.warmup * args.grad_accum):
+            next(loader)
+        counts = [0] * (1 + len(toks_t))
+        slots = [0] * len(toks_t)
+        for _ in range(args.steps * args.grad_accum):
+            batch = next(loader)
+            counts[0] += batch.student.input_ids.numel()
+            for k, tb in enumerate(batch.teachers):
+                counts[1 + k] += int((tb.doc_ids >= 0).sum())
+                slots[k] += tb.doc_ids.numel()
+    padded = [s / max(c, 1) for s, c in zip(slots, counts[1:])]
+    return first, [c / counts[0] for c in counts[1:]], padded
+
+
+def _flops(args, ratios: list[float]) -> float:
+    import torch
+
+    from crossdistill.bench.step import _flops_per_student_token, _shape
+    from crossdistill.models.loading import build_meta_model
+
+    def shape(arch):
+        return _shape(build_meta_model(None, arch, dtype=torch.bfloat16))
+
+    teachers = [(shape(arch), r) for arch, r in zip(args.teacher, ratios)]
+    return _flops_per_student_token(shape(args.student), teachers, args.seq_len)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizers", type=Path, required=True, help="holds <name>/hf/ folders")
+    ap.add_argument("results", nargs="+", type=Path)
+    cli = ap.parse_args()
+    for path in cli.results:
+        rec = json.loads(path.read_text())
+        args = _bench_args(rec["command"], cli.tokenizers)
+        first, ratios, padded = _timed_counts(args)
+        # the text is this interpreter's standard library: the batches are the recorded run's
+        # only under the same Python version; else the recount is an estimate on other text
+        same = first == rec["teacher_tokens_per_student_token"]
+        flops = _flops(args, ratios)
+        recorded = rec["flops_per_token"]
+        again = _flops(args, rec["teacher_tokens_per_student_token"])
+        assert abs(again - recorded) < 1e-6 * recorded, (path, again, recorded)
+        row = {
+            "file": path.name,
+            "same_batches": same,
+            "recorded_ratio": rec.get("teacher_tokens_per_student_token"),
+            "timed_ratio": [round(r, 4) for r in ratios],
+            "row_slots_per_teacher_token": [round(r, 4) for r in padded],
+            "recorded_mfu": rec.get("mfu"),
+            "recorded_flops_per_token": rec.get("flops_per_token"),
+            "flops_per_token": flops,
+            "mfu": rec["tokens_per_s"] * flops / (PEAK_TFLOPS * 1e12),
+        }
+        for key in ("variant", "ablate"):
+            for k, v in rec.items():
+                if k.startswith(f"{key}/") and k.endswith("/tokens_per_s"):
+                    row[k.replace("tokens_per_s", "mfu")] = v * flops / (PEAK_TFLOPS * 1e12)
+        if rec.get("naive_tokens_per_s"):
+            row["naive_mfu"] = rec["naive_tokens_per_s"] * flops / (PEAK_TFLOPS * 1e12)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
