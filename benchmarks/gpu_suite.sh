@@ -26,7 +26,7 @@ step() {  # name, then bench step arguments
 if stage tests; then
     $py -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_attention.py \
         tests/unit/test_losses_gpu.py tests/unit/test_losses_targets.py \
-        tests/unit/test_losses_fused.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
+        tests/unit/test_losses_fused.py tests/unit/test_teacher_padding.py 2>&1 | tail -20 | tee "$OUT/gpu-tests-$stamp.txt"
 fi
 stage ceilings && $py benchmarks/device_ceilings.py | tee "$OUT/ceilings-$stamp.json"
 if stage kernels; then
@@ -51,14 +51,13 @@ stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096
     --steps 8 --warmup 3 --compile --baseline naive
 A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile --baseline naive
    --ablate padded-teachers)
-if stage accum; then
-    step qwen3-4b-llama-1b-2048-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
-        --checkpoint-blocks 2 "${A[@]}"
-    step qwen3-4b-llama-1b-4096-accum4-ckpt2 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
-        --checkpoint-blocks 2 "${A[@]}"
-    step phi4mini-llama3b-llama-1b-2048-accum4-mlp6 "${S[@]}" "${P[@]}" --seq-len 2048 \
-        --micro-batch 4 --checkpoint-blocks 6 --checkpoint-scope mlp --variant bitmask-stats \
-        "${A[@]}"
+if stage accum; then  # every student block's MLP elementwise work recomputed (Llama-1B: 16)
+    step qwen3-4b-llama-1b-2048-accum4-sel16 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
+        --checkpoint-blocks 16 --checkpoint-scope selective "${A[@]}"
+    step qwen3-4b-llama-1b-4096-accum4-sel16 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
+        --checkpoint-blocks 16 --checkpoint-scope selective "${A[@]}"
+    step phi4mini-llama3b-llama-1b-2048-accum4-sel16 "${S[@]}" "${P[@]}" --seq-len 2048 \
+        --micro-batch 4 --checkpoint-blocks 16 --checkpoint-scope selective "${A[@]}"
 fi
 stage equal && $py benchmarks/optimised_vs_plain.py "${S[@]}" "${Q[@]}" --seq-len 2048 \
     --micro-batch 2 --steps 20 | tee "$OUT/optimised-vs-plain-$stamp.json"

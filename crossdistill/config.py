@@ -58,7 +58,8 @@ class ModelConfig:
     compile: bool = False  # torch.compile each transformer block
 
 
-CHECKPOINT_SCOPES = ("block", "mlp")  # what activation checkpointing recomputes
+# what activation checkpointing recomputes
+CHECKPOINT_SCOPES = ("block", "mlp", "selective")
 
 
 @dataclass
@@ -68,8 +69,9 @@ class StudentConfig(ModelConfig):
     # with activation_checkpointing: recompute only the first N blocks (0 = every block); a
     # few blocks buy back memory at a fraction of the full recomputation's cost
     activation_checkpointing_blocks: int = 0
-    # what is recomputed: "block" (the whole block: the most memory back) or "mlp" (only its
-    # MLP: the gate/up activations, the largest, for two of the block's seven matmuls)
+    # what is recomputed: "block" (the whole block: the most memory back), "mlp" (only its
+    # MLP, matmuls included) or "selective" (only the MLP's elementwise work: its weights' casts
+    # to the autocast dtype and the gated activation; its matmul outputs are kept)
     activation_checkpointing_scope: str = "block"
 
 

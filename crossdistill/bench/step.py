@@ -99,9 +99,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--checkpoint-scope",
-        choices=["block", "mlp"],
+        choices=["block", "mlp", "selective"],
         default="block",
-        help="with --checkpoint-blocks: recompute whole blocks or only their MLPs",
+        help="with --checkpoint-blocks: recompute whole blocks, only their MLPs, or only the "
+        "MLPs' elementwise work (weight casts, gated activation; matmul outputs kept)",
     )
     p.add_argument(
         "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"

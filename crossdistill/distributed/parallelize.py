@@ -91,17 +91,18 @@ def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
 
 def apply_activation_checkpointing(model: nn.Module, blocks: int = 0, scope: str = "block") -> None:
     """Recompute activations in backward (non-reentrant): each block's whole forward (`scope`
-    "block"), or only its MLP ("mlp": the gate/up activations, the largest of a block, for two of
-    its seven matmuls; attention is not recomputed). `blocks` > 0: only the first `blocks`."""
+    "block"); only its MLP ("mlp": the gate/up activations, the largest of a block, for its
+    gate/up matmuls again; attention is not recomputed); or only the MLP's elementwise work
+    ("selective", see `_recompute_elementwise`). `blocks` > 0: only the first `blocks`."""
     from crossdistill.config import CHECKPOINT_SCOPES
 
     if scope not in CHECKPOINT_SCOPES:
         raise ValueError(f"checkpoint scope must be one of {CHECKPOINT_SCOPES}, got {scope!r}")
     layers = list(decoder_layers(model))
     chosen = layers[:blocks] if blocks > 0 else layers
-    if scope == "mlp":
+    if scope in ("mlp", "selective"):
         for layer in chosen:
-            _recompute_in_backward(layer.mlp)
+            _recompute_in_backward(layer.mlp, elementwise_only=scope == "selective")
         return
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
@@ -112,18 +113,44 @@ def apply_activation_checkpointing(model: nn.Module, blocks: int = 0, scope: str
         layer.gradient_checkpointing = False
 
 
-def _recompute_in_backward(module: nn.Module) -> None:
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear")
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective checkpointing policy: save matmul outputs, recompute everything else."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    name = getattr(op, "__name__", str(op)).split(".")[0]
+    if name in _MATMULS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_elementwise() -> Any:
+    """Contexts for `checkpoint(context_fn=...)` that recompute only what is not a matmul. In a
+    gated MLP of a float32 model under bf16 autocast this drops, per block, the bf16 copies of
+    its three weights (autocast's casts, which backward would otherwise keep) and the product
+    `act(gate)·up` (recomputed from the kept gate and up outputs): 3·H·F + T·F values for a
+    few elementwise passes, no matmul."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_keep_matmuls)
+
+
+def _recompute_in_backward(module: nn.Module, elementwise_only: bool = False) -> None:
     """Run `module` under non-reentrant `torch.utils.checkpoint` while gradients are recorded:
-    only its inputs are saved, its forward runs again in backward. The forward is replaced on
-    the instance, so parameter names and the state dict are unchanged."""
+    only its inputs are saved, its forward runs again in backward (`elementwise_only`: matmul
+    outputs are saved too, only the rest runs again). The forward is replaced on the instance,
+    so parameter names and the state dict are unchanged."""
     from torch.utils.checkpoint import checkpoint
 
     forward = module.forward
+    extra = {"context_fn": _recompute_elementwise} if elementwise_only else {}
 
     def recomputed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
 
     recomputed.recomputes = forward
     module.forward = recomputed

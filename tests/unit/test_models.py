@@ -139,12 +139,15 @@ def test_checkpointing_the_first_blocks_keeps_gradients():
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
-def _saved_bytes(model, ids) -> tuple[int, list[torch.Tensor]]:
-    """Bytes autograd keeps for backward over one forward (saved-tensor hooks), and the grads."""
+def _saved_bytes(model, ids, skip_params=False) -> tuple[int, list[torch.Tensor]]:
+    """Bytes autograd keeps for backward over one forward (saved-tensor hooks), and the grads.
+    `skip_params`: leave out the parameters themselves (they live anyway)."""
     saved = []
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()} if skip_params else ()
 
     def pack(t):
-        saved.append(t.numel() * t.element_size())
+        if t.untyped_storage().data_ptr() not in params:
+            saved.append(t.numel() * t.element_size())
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -185,7 +188,7 @@ def test_recomputing_the_mlps_keeps_gradients_and_saves_memory(compiled):
         apply_activation_checkpointing(build_causal_lm(arch="tiny-llama", seed=0), 0, "layer")
 
 
-def test_remove_recompute_undoes_both_scopes():
+def test_remove_recompute_undoes_every_scope():
     from crossdistill.distributed.parallelize import (
         apply_activation_checkpointing,
         decoder_layers,
@@ -193,7 +196,7 @@ def test_remove_recompute_undoes_both_scopes():
     )
 
     ids = torch.randint(0, 512, (1, 8))
-    for scope in ("block", "mlp"):
+    for scope in ("block", "mlp", "selective"):
         model = build_causal_lm(arch="tiny-llama", seed=0)
         plain = _saved_bytes(model, ids)[0]
         apply_activation_checkpointing(model, 0, scope)
@@ -201,3 +204,38 @@ def test_remove_recompute_undoes_both_scopes():
         remove_recompute(model)
         assert _saved_bytes(model, ids)[0] == plain
         assert not any("forward" in vars(layer.mlp) for layer in decoder_layers(model))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_selective_recompute_drops_weight_casts_and_activation_product(compiled):
+    """`scope="selective"` on a float32 model under bf16 autocast (master weights, as the student
+    trains): each MLP's bf16 weight copies and `act(gate)·up` are recomputed in backward, its
+    matmul outputs kept. The same gradients (bit for bit eagerly: the same kernels run again),
+    and eagerly at least those tensors fewer kept for backward."""
+    from crossdistill.distributed.parallelize import apply_activation_checkpointing, apply_compile
+
+    cfg = {"intermediate_size": 1024}
+    ids = torch.randint(0, 512, (2, 32))
+    results = {}
+    for scope in (None, "selective"):
+        model = build_causal_lm(arch="tiny-llama", seed=0, overrides=cfg)
+        if scope:
+            apply_activation_checkpointing(model, 0, scope=scope)
+        if compiled:
+            apply_compile(model)
+        with torch.autocast("cpu", torch.bfloat16):
+            results[scope] = _saved_bytes(model, ids, skip_params=True)
+    for a, b in zip(results[None][1], results["selective"][1]):
+        assert b.isfinite().all()
+        if compiled:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
+    model_cfg = build_causal_lm(arch="tiny-llama", seed=0, overrides=cfg).config
+    h, f, layers = model_cfg.hidden_size, 1024, model_cfg.num_hidden_layers
+    per_block = (results[None][0] - results["selective"][0]) / layers
+    dropped = 2 * (3 * h * f + 2 * 32 * f)  # bf16: three weight copies and [B, T, F] product
+    if not compiled:
+        assert per_block >= dropped
+    else:  # the partitioner's choice, but the weight copies at least are gone
+        assert per_block >= 2 * 3 * h * f

@@ -191,11 +191,11 @@ def test_optimised_step_matches_the_plain_path_over_20_steps(corpus, tmp_path, t
 
 
 def test_mlp_recomputation_trains_like_no_recomputation(corpus, tmp_path, tokenizer_dir):
-    """`activation_checkpointing_scope: mlp` through the trainer: the same losses as without
-    recomputation; an unknown scope is refused before anything loads."""
+    """`activation_checkpointing_scope: mlp` and `selective` through the trainer: the same
+    losses as without recomputation; an unknown scope is refused before anything loads."""
     teachers = [_teacher(tokenizer_dir, "llama2", "llama2", 32000, loss="forward_kl")]
     losses = {}
-    for name, scope in (("plain", None), ("mlp", "mlp")):
+    for name, scope in (("plain", None), ("mlp", "mlp"), ("selective", "selective")):
         cfg = _cfg(
             corpus, tmp_path / name, tokenizer_dir, teachers,
             steps=3, eval_every=100, checkpoint_every=100,
@@ -205,9 +205,10 @@ def test_mlp_recomputation_trains_like_no_recomputation(corpus, tmp_path, tokeni
             cfg.student.activation_checkpointing_scope = scope
         train(cfg)
         losses[name] = _losses(tmp_path / name)
-    assert sorted(losses["plain"]) == sorted(losses["mlp"]) == [1, 2, 3]
-    for step, value in losses["plain"].items():
-        assert abs(losses["mlp"][step] - value) <= 1e-6 * abs(value)
+    for scope in ("mlp", "selective"):
+        assert sorted(losses["plain"]) == sorted(losses[scope]) == [1, 2, 3]
+        for step, value in losses["plain"].items():
+            assert abs(losses[scope][step] - value) <= 1e-6 * abs(value)
     cfg = _cfg(corpus, tmp_path / "bad", tokenizer_dir, teachers)
     cfg.student.activation_checkpointing_scope = "layer"
     with pytest.raises(UserError, match="activation_checkpointing_scope must be one of"):
