@@ -246,6 +246,12 @@ def _finish(result: dict, bench, args) -> None:
             result[f"{key}fraction_of_measured_matmul"] = (
                 achieved / result["matmul_tflops_measured"]
             )
+    for key in [k for k in result if k.endswith("/teacher_tokens_per_student_token")]:
+        # an ablation or variant: timed on later batches, so FLOPs from its own teacher tokens
+        prefix = key.removesuffix("teacher_tokens_per_student_token")
+        own = [(_shape(t.teacher.model), r) for t, r in zip(bench.slots, result[key])]
+        achieved = result[f"{prefix}tokens_per_s"] * _flops_per_student_token(s, own, args.seq_len)
+        result[f"{prefix}mfu"] = achieved / 1e12 / peak if peak else None
     if result.get("naive_tokens_per_s"):
         result["speedup_vs_naive"] = result["tokens_per_s"] / result["naive_tokens_per_s"]
     rate = result.get("matmul_tflops_measured")
@@ -299,7 +305,7 @@ def _print_table(result: dict) -> None:
             v = result[k]
             print(f"{k:30s} {v:.4g}" if isinstance(v, float) else f"{k:30s} {v}")
     for k, v in sorted(result.items()):
-        if k.startswith(("ablate/", "variant/")):
+        if k.startswith(("ablate/", "variant/")) and isinstance(v, float):
             print(f"{k:30s} {v:.4g}")
     print("time split (ms per step):")
     for k, v in sorted(result.items()):

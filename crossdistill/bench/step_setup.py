@@ -201,8 +201,7 @@ def retimed_steps(bench: Bench, args, kind: str, name: str) -> dict[str, float]:
         out = timed_steps(bench, args)
     finally:
         undo()
-    skip = ("loader_fraction", "teacher_tokens_per_student_token")
-    return {f"{kind}/{name}/{k}": v for k, v in out.items() if k not in skip}
+    return {f"{kind}/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
 
 
 def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable[[], None]]:

@@ -38,6 +38,9 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     # the teachers' tokens of the timed batches themselves (Mistral's tokenizer on Llama-2's)
     (ratio,) = result["teacher_tokens_per_student_token"]
     assert 0.8 < ratio < 1.25 and ratio != 1.0
+    # an ablation is timed on later batches: its own ratio, its own MFU (none on a CPU)
+    (own,) = result["ablate/sdpa/teacher_tokens_per_student_token"]
+    assert 0.8 < own < 1.25 and "ablate/sdpa/mfu" in result
     prof = result["profile"]
     assert prof["top"] and prof["busy_ms"] > 0 and prof["step_ms"] > 0
     assert abs(sum(prof["ms_by_kind"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
