@@ -39,40 +39,26 @@ def _bench_args(command: str, tokenizers: Path) -> argparse.Namespace:
     return parser.parse_args(["step", *words])
 
 
-def _timed_counts(args, cuda_workers: int = 4) -> tuple[list[float], ...]:
+def _timed_counts(args) -> tuple[list[float], ...]:
     """Teacher non-pad tokens per student token in the batch drawn before warm-up and over the
     batches `bench step` timed, and the teachers' row slots (padding included) per non-pad
     token over those batches."""
-    from crossdistill.bench.step_setup import _corpus
-    from crossdistill.config import DataConfig
-    from crossdistill.data import build_loader
+    from crossdistill.bench.step_setup import bench_loader, count_tokens, first_ratio
     from crossdistill.models import load_tokenizer
 
-    steps = (args.warmup + args.steps) * args.grad_accum + 4
+    tok_s = load_tokenizer(args.student_tokenizer)
+    toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = _corpus(Path(tmp), min_bytes=steps * args.micro_batch * args.seq_len * 5)
-        cfg = DataConfig(
-            train=[str(corpus)],
-            seq_len=args.seq_len,
-            micro_batch_size=args.micro_batch,
-            num_workers=cuda_workers,
-            val_fraction=0.0,
-        )
-        tok_s = load_tokenizer(args.student_tokenizer)
-        toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
-        loader = iter(build_loader(cfg, tok_s, toks_t, split="train"))
-        sample = next(loader)  # what `bench step` drew before warm-up (its old ratio)
-        n_s = int((sample.student.doc_ids >= 0).sum())
-        first = [float((tb.doc_ids >= 0).sum()) / max(n_s, 1) for tb in sample.teachers]
+        loader = iter(bench_loader(args, Path(tmp), tok_s, toks_t, cuda=True))
+        first = first_ratio(next(loader))  # what `bench step` drew before warm-up
         for _ in range(args.warmup * args.grad_accum):
             next(loader)
         counts = [0] * (1 + len(toks_t))
         slots = [0] * len(toks_t)
         for _ in range(args.steps * args.grad_accum):
             batch = next(loader)
-            counts[0] += batch.student.input_ids.numel()
+            count_tokens(batch, counts)
             for k, tb in enumerate(batch.teachers):
-                counts[1 + k] += int((tb.doc_ids >= 0).sum())
                 slots[k] += tb.doc_ids.numel()
     padded = [s / max(c, 1) for s, c in zip(slots, counts[1:])]
     return first, [c / counts[0] for c in counts[1:]], padded

@@ -22,6 +22,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from crossdistill.config import CHECKPOINT_SCOPES
+
 ABLATIONS = {
     "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
     "eager": "no torch.compile (with --compile)",
@@ -99,7 +101,7 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--checkpoint-scope",
-        choices=["block", "mlp", "selective"],
+        choices=CHECKPOINT_SCOPES,
         default="block",
         help="with --checkpoint-blocks: recompute whole blocks, only their MLPs, or only the "
         "MLPs' elementwise work (weight casts, gated activation; matmul outputs kept)",

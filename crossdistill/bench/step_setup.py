@@ -58,13 +58,10 @@ def _corpus(workdir: Path, min_bytes: int) -> Path:
 
 def build_bench(args) -> Bench:
     from crossdistill.alignment import TokenBytes
-    from crossdistill.data import build_loader
     from crossdistill.train.build import build_projection_for
 
     device = torch.device(args.device)
     workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
-    steps = (args.warmup + args.steps) * args.grad_accum + 4
-    corpus = _corpus(Path(workdir.name), min_bytes=steps * args.micro_batch * args.seq_len * 5)
     tok_s = load_tokenizer(args.student_tokenizer)
     toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
     overrides = TINY if args.tiny else {}
@@ -86,14 +83,7 @@ def build_bench(args) -> Bench:
             TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64, device=device
         )
         slots.append(TeacherSlot(Teacher(model, tcfg.name), tcfg, proj, lengths))
-    data_cfg = DataConfig(
-        train=[str(corpus)],
-        seq_len=args.seq_len,
-        micro_batch_size=args.micro_batch,
-        num_workers=4 if device.type == "cuda" else 0,
-        val_fraction=0.0,
-    )
-    loader = build_loader(data_cfg, tok_s, toks_t, split="train")
+    loader = bench_loader(args, Path(workdir.name), tok_s, toks_t, cuda=device.type == "cuda")
     settings = StepSettings(
         kd_ratio=0.5,
         teacher_mode="weighted",
@@ -113,10 +103,40 @@ def build_bench(args) -> Bench:
             apply_compile(model)
     optimizer = build_optimizer(student, OptimConfig())
     bench = Bench(device, student, tok_s, slots, optimizer, iter(loader), settings, [], workdir)
-    sample = next(bench.loader)
-    n_s = int((sample.student.doc_ids >= 0).sum())
-    bench.teacher_ratio = [float((tb.doc_ids >= 0).sum()) / max(n_s, 1) for tb in sample.teachers]
+    bench.teacher_ratio = first_ratio(next(bench.loader))  # the timed steps count their own
     return bench
+
+
+def first_ratio(batch) -> list[float]:
+    """Each teacher's non-pad tokens per non-pad student token in one batch."""
+    n_s = int((batch.student.doc_ids >= 0).sum())
+    return [float((tb.doc_ids >= 0).sum()) / max(n_s, 1) for tb in batch.teachers]
+
+
+def bench_loader(args, folder: Path, tok_s, toks_t, cuda: bool):
+    """The benchmark's loader: this interpreter's standard-library sources (written to
+    `folder`), enough for every micro-batch `args` asks for, through the real collator; the
+    same batches in the same order for the same arguments and Python version."""
+    from crossdistill.data import build_loader
+
+    steps = (args.warmup + args.steps) * args.grad_accum + 4
+    corpus = _corpus(folder, min_bytes=steps * args.micro_batch * args.seq_len * 5)
+    data_cfg = DataConfig(
+        train=[str(corpus)],
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch,
+        num_workers=4 if cuda else 0,
+        val_fraction=0.0,
+    )
+    return build_loader(data_cfg, tok_s, toks_t, split="train")
+
+
+def count_tokens(batch, counts: list[int]) -> None:
+    """`counts` (student row slots, then each teacher's non-pad tokens) plus `batch`'s, counted
+    on its host copy."""
+    counts[0] += batch.student.input_ids.numel()
+    for k, tb in enumerate(batch.teachers):
+        counts[1 + k] += int((tb.doc_ids >= 0).sum())
 
 
 def _sync(device: torch.device) -> None:
@@ -131,9 +151,7 @@ def _next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
     for _ in range(args.grad_accum):
         batch = next(bench.loader)
         if counts is not None:
-            counts[0] += batch.student.input_ids.numel()
-            for k, tb in enumerate(batch.teachers):
-                counts[1 + k] += int((tb.doc_ids >= 0).sum())
+            count_tokens(batch, counts)
         window.append(batch.to(bench.device, non_blocking=True))
     return window
 

@@ -184,8 +184,8 @@ def apply_block_options(
     checkpoint_scope: str = "block",
 ) -> None:
     """Per-block options a model gets on one device as under any layout: activation
-    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all; `checkpoint_scope`: whole
-    blocks or their MLPs), then compiling."""
+    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all; `checkpoint_scope` as for
+    `apply_activation_checkpointing`), then compiling."""
     if activation_checkpointing:
         apply_activation_checkpointing(model, checkpoint_blocks, checkpoint_scope)
     if compile_blocks:
