@@ -7,12 +7,14 @@
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
 # EXTRA: more `bench step` arguments for the step2048 stage, TAG: a suffix for its file name.
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
-#   tests ceilings kernels loss step2048 multi step4096 accum equal
+#   tests ceilings kernels loss step2048 multi step4096 accum padding equal
 # kernels: varlen attention and teacher top-k alone; accum: the three setups with 4
-# micro-batches per optimizer step, each beside its teachers on padded rows; equal: optimised
+# micro-batches per optimizer step and selective recomputation; padding: the two-teacher setup
+# with its cross teacher on non-pad tokens vs padded rows, alternating runs; equal: optimised
 # vs plain.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export CROSSDISTILL_TOKENIZERS="${CROSSDISTILL_TOKENIZERS:-${TOK:-}}"
 OUT=${OUT:-benchmarks/results}
 TOK=${TOK:?set TOK to the tokenizers folder}
 mkdir -p "$OUT"
@@ -49,15 +51,23 @@ stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len
     --micro-batch 4 --steps 8 --warmup 3 --compile --baseline naive --ablate eager
 stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
     --steps 8 --warmup 3 --compile --baseline naive
-A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile --baseline naive
-   --ablate padded-teachers)
+A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile
+   --checkpoint-blocks 16 --checkpoint-scope selective)
 if stage accum; then  # every student block's MLP elementwise work recomputed (Llama-1B: 16)
     step qwen3-4b-llama-1b-2048-accum4-sel16 "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 \
-        --checkpoint-blocks 16 --checkpoint-scope selective "${A[@]}"
+        "${A[@]}" --baseline naive
     step qwen3-4b-llama-1b-4096-accum4-sel16 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
-        --checkpoint-blocks 16 --checkpoint-scope selective "${A[@]}"
+        "${A[@]}" --baseline naive
     step phi4mini-llama3b-llama-1b-2048-accum4-sel16 "${S[@]}" "${P[@]}" --seq-len 2048 \
-        --micro-batch 4 --checkpoint-blocks 16 --checkpoint-scope selective "${A[@]}"
+        --micro-batch 4 "${A[@]}" --baseline naive
+fi
+if stage padding; then  # non-pad teacher bodies against the padded rows, each in its own process
+    i=0
+    for pad in drop keep drop keep; do
+        i=$((i + 1))
+        step phi4mini-llama3b-llama-1b-2048-accum4-sel16-$i-$pad "${S[@]}" "${P[@]}" --seq-len 2048 \
+            --micro-batch 4 "${A[@]}" --teacher-padding $pad
+    done
 fi
 stage equal && $py benchmarks/optimised_vs_plain.py "${S[@]}" "${Q[@]}" --seq-len 2048 \
     --micro-batch 2 --steps 20 | tee "$OUT/optimised-vs-plain-$stamp.json"

@@ -173,6 +173,7 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
         torch.cuda.reset_peak_memory_stats()
     wait = 0.0
     counts = [0] * (1 + len(bench.slots))
+    graphs = _graphs_compiled()
     t0 = time.perf_counter()
     for _ in range(args.steps):
         w0 = time.perf_counter()
@@ -189,10 +190,20 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
         # the teachers' work per student token in exactly the timed batches (it varies from
         # batch to batch by several percent): what the FLOP count uses
         "teacher_tokens_per_student_token": [c / max(tokens, 1) for c in counts[1:]],
+        # graphs `torch.compile` built inside the timed steps (compile time counted in them):
+        # above 0, the warm-up did not cover every shape and the timing is not a steady state
+        "graphs_compiled_in_timed_steps": _graphs_compiled() - graphs,
     }
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out
+
+
+def _graphs_compiled() -> int:
+    """How many graphs `torch.compile` has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
@@ -227,7 +238,6 @@ def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable
     from crossdistill.distributed.parallelize import apply_compile, remove_compile
     from crossdistill.losses import targets
     from crossdistill.models import attention
-    from crossdistill.train import step as train_step_module
 
     models = [bench.student] + [s.teacher.model for s in bench.slots]
 
@@ -254,7 +264,6 @@ def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable
         "fp32-queries": (attention, "compute_dtype", lambda query: query.dtype),
         "full-topk": (targets, "topk_by_blocks", lambda z, k: z.topk(k, dim=1)),
         "bitmask-stats": (targets, "TARGET_FLOW", {"name": "bitmask"}),
-        "padded-teachers": (train_step_module, "DROP_TEACHER_PADDING", {"mode": "off"}),
     }
     if name not in replaced:
         raise ValueError(f"unknown ablation or variant {name!r}")

@@ -67,7 +67,7 @@ def _to(x: Tensor, device: torch.device) -> Tensor:
 # Whether a cross teacher's body runs on its non-pad tokens only (`[1, N]` instead of the
 # padded `[B, T_t]`): "auto" where flash varlen attention covers every layer (there the rows
 # need no shape of their own; the masked fallback would cost `N²` instead of `B·T_t²`), "on",
-# "off" (`bench step --ablate padded-teachers`).
+# "off" (`bench step --teacher-padding keep`).
 DROP_TEACHER_PADDING = {"mode": "auto"}
 
 

@@ -18,7 +18,6 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
         sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--seq-len", "64", "--micro-batch", "2", "--json",
         "--profile", "--ablate", "sdpa", "--ablate", "fp32-queries", "--ablate", "full-topk",
-        "--ablate", "padded-teachers",
         "--variant", "bitmask-stats",
         "--baseline", "naive",
         "--grad-accum", "2",
@@ -31,7 +30,7 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     for key in (
         "tokens_per_s", "naive_tokens_per_s", "ablate/sdpa/tokens_per_s", "loss_fraction",
         "loader_fraction", "flops_per_token", "ablate/fp32-queries/tokens_per_s",
-        "variant/bitmask-stats/tokens_per_s", "ablate/padded-teachers/tokens_per_s",
+        "variant/bitmask-stats/tokens_per_s",
     ):  # fmt: skip
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["grad_accum"] == 2 and "ms/optimizer" in result
@@ -98,3 +97,33 @@ def test_optimised_vs_plain_script_on_cpu(tokenizer_dir):
     assert len(result["optimised"]["loss"]) == len(result["plain"]["loss"]) == 2
     assert all(math.isfinite(x) for x in result["plain"]["loss"])
     assert result["max_rel_diff_loss"] < 1e-4 and result["max_rel_diff_grad_norm"] < 1e-3
+
+
+def test_teacher_padding_is_chosen_per_run_and_put_back(tokenizer_dir, capsys, monkeypatch):
+    """`--teacher-padding drop` runs the cross teacher on its non-pad tokens (on the CPU too,
+    where `auto` keeps the rows); the process-wide setting is back to `auto` afterwards."""
+    from crossdistill.cli import main
+    from crossdistill.train import step as train_step
+
+    rows_seen = []
+    real = train_step.targets_from_hidden
+
+    def spy(slot, tb, hidden, rows, *rest):
+        rows_seen.append(rows is not None)
+        return real(slot, tb, hidden, rows, *rest)
+
+    monkeypatch.setattr(train_step, "targets_from_hidden", spy)
+    for padding in ("drop", "keep"):
+        rows_seen.clear()
+        argv = [
+            "bench", "step", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
+            "--seq-len", "64", "--micro-batch", "2", "--json", "--teacher-padding", padding,
+            "--student", "llama-3.2-1b", "--student-tokenizer", str(tokenizer_dir("llama3")),
+            "--teacher", "qwen3-4b", "--teacher-tokenizer", str(tokenizer_dir("qwen3")),
+        ]  # fmt: skip
+        assert main(argv) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["teacher_padding"] == padding
+        assert result["graphs_compiled_in_timed_steps"] == 0
+        assert rows_seen and set(rows_seen) == {padding == "drop"}
+        assert train_step.DROP_TEACHER_PADDING == {"mode": "auto"}
