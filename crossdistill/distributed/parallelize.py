@@ -170,8 +170,16 @@ def apply_compile(model: nn.Module) -> None:
     dynamic shapes: a teacher's row length changes from batch to batch, and so do the
     attention segments, which would otherwise recompile. Attention itself stays outside the
     compiled graphs (`varlen_attention` is opaque to them); what compiling fuses is the rest:
-    norms, rotary embedding, the gated MLP's activation, residual adds."""
+    norms, rotary embedding, the gated MLP's activation, residual adds; and queries and keys
+    leave the rotary kernel laid out as flash wants them (`token_major_rotary`)."""
+    import sys
+
+    from crossdistill.models.attention import token_major_rotary
+
     for layer in decoder_layers(model):
+        attn = getattr(layer, "self_attn", None)
+        if attn is not None:
+            token_major_rotary(sys.modules[type(attn).__module__])
         layer.compile(dynamic=True)
 
 

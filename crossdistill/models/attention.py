@@ -241,6 +241,34 @@ def compute_dtype(query: Tensor) -> torch.dtype:
     return query.dtype
 
 
+def _token_major(x: Tensor) -> Tensor:
+    """`[B, H, T, D]` with the same values, laid out as `[B, T, H, D]` in memory."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def token_major_rotary(module: Any) -> None:
+    """Make `module.apply_rotary_pos_emb` (a transformers modeling module's) hand compiled
+    blocks its queries and keys laid out token-major. Where the rotary embedding covers part of
+    each head (Phi-3, Phi-4-mini) it ends in a `cat` whose output is head-major; flash then
+    writes its output head-major too, and the block copies it back, transposing, before the
+    output projection (18 ms of a two-teacher step on an H200). Compiled, the layout change fuses
+    into the rotary kernel and both copies go; eager code is left as it was (there it would be
+    a copy of its own). The values are unchanged; already token-major tensors are untouched."""
+    rotary = getattr(module, "apply_rotary_pos_emb", None)
+    if rotary is None or getattr(rotary, "token_major", False):
+        return
+
+    @functools.wraps(rotary)
+    def wrapped(q: Tensor, k: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        q, k = rotary(q, k, *args, **kwargs)
+        if torch.compiler.is_compiling() and q.dim() == 4 and q.stride(1) > q.stride(2):
+            q, k = _token_major(q), _token_major(k)
+        return q, k
+
+    wrapped.token_major = True
+    module.apply_rotary_pos_emb = wrapped
+
+
 def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
     """`[B, H, T, D]` -> `[B·T, H, D]` in `dtype`, at most one copy."""
     b, h, t, d = x.shape

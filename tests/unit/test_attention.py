@@ -221,3 +221,46 @@ def test_soft_capped_models_get_eager_attention():
     assert resolve_attention("auto", SimpleNamespace()) == VARLEN
     with pytest.raises(UserError, match="soft-capping"):
         resolve_attention("varlen", capped)
+
+
+def test_compiled_partial_rotary_hands_attention_token_major_queries(monkeypatch):
+    """Phi-3's partial rotary embedding ends in a `cat`, so transformers hands attention
+    head-major queries and keys (flash would then write its output head-major and the block
+    copy it back). Compiled blocks hand them over token-major, bit for bit the same result as
+    compiled blocks without the change; eager code is left as it was."""
+    import transformers.models.phi3.modeling_phi3 as phi3
+
+    from crossdistill.distributed.parallelize import apply_compile
+
+    head_major = []
+    masked = attention._masked_sdpa
+
+    def spy(query, *args):
+        head_major.append(query.stride(1) > query.stride(2))
+        return masked(query, *args)
+
+    def run(compiled: bool) -> torch.Tensor:
+        head_major.clear()
+        model = build_causal_lm(
+            arch="tiny-phi3", seed=0, dtype=torch.float64, overrides={"partial_rotary_factor": 0.5}
+        )
+        if compiled:
+            apply_compile(model)
+        with torch.no_grad():
+            return final_hidden(model, ids, pos)
+
+    monkeypatch.setattr(attention, "_masked_sdpa", spy)
+    ids, pos, _ = _packed(seed=4)
+    eager = run(compiled=False)
+    assert head_major and all(head_major)
+    got = run(compiled=True)
+    assert head_major and not any(head_major)
+    assert phi3.apply_rotary_pos_emb.token_major
+    plain = phi3.apply_rotary_pos_emb.__wrapped__
+    monkeypatch.setattr(phi3, "apply_rotary_pos_emb", plain)
+    monkeypatch.setattr(attention, "token_major_rotary", lambda module: None)
+    want = run(compiled=True)
+    assert head_major and all(head_major)
+    assert torch.equal(got, want) and not got.isnan().any()
+    # (transformers' RMSNorm computes in float32 even here: compiled and eager differ by that)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
