@@ -2,14 +2,17 @@
 
 Each subcommand lives beside the code it drives and contributes one `add_parser(subparsers)`
 function; this module only lists them. Handlers import torch and friends lazily so that
-`crossdistill --help` is instant. A `UserError` anywhere becomes one line on stderr and exit 2.
+`crossdistill --help` is instant. A `UserError` anywhere becomes one line on stderr and exit 2
+(`run_reporting`).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import Any
 
 from crossdistill import __version__
 from crossdistill.errors import UserError
@@ -55,15 +58,45 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    return run_reporting(args.func, args)
+
+
+# gloo's words when the process at the other end has gone (NCCL raises a DistBackendError)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def run_reporting(fn: Any, args: Any) -> int:
+    """`fn(args)` as an exit status: a `UserError` becomes one line on stderr and 2. Under
+    `torchrun`, each line names its rank, and a rank that only lost contact with another rank
+    (which failed first, with its own message) says so in one line instead of a traceback."""
+    rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
     try:
-        result = args.func(args)
+        return int(fn(args) or 0)
     except UserError as e:
-        print(f"crossdistill: error: {e}", file=sys.stderr)
+        print(f"crossdistill: error: {rank}{e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("crossdistill: interrupted", file=sys.stderr)
+        print(f"crossdistill: {rank}interrupted", file=sys.stderr)
         return 130
-    return int(result or 0)
+    except Exception as e:
+        if not (rank and _peer_gone(e)):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(
+            f"crossdistill: error: {rank}stopped because another rank of the job stopped first "
+            f"(its own message names the cause; torchrun lists that rank as the root cause). "
+            f"Here: {type(e).__name__}: {first[:200]}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _peer_gone(e: BaseException) -> bool:
+    dist = sys.modules.get("torch.distributed")
+    backend_error = getattr(dist, "DistBackendError", None)
+    if backend_error is not None and isinstance(e, backend_error):
+        return True
+    return any(words in str(e) for words in _PEER_GONE)
 
 
 if __name__ == "__main__":
