@@ -126,6 +126,9 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_every: int = 500
     keep_last: int = 2
+    # write single-process checkpoints from a background thread (the loop waits only for the
+    # copy of the state into host memory); sharded checkpoints are written in the loop
+    checkpoint_in_background: bool = True
     log_every: int = 10
     max_consecutive_skips: int = 5
     device: str = "auto"

@@ -23,6 +23,7 @@ Single-process state dicts only; sharded (DTensor) checkpoints belong to ``distr
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import io
 import json
@@ -32,6 +33,7 @@ import random
 import re
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -105,6 +107,61 @@ def save_checkpoint(
         raise
     _prune(root, step, keep_last)
     return root / name
+
+
+class BackgroundSaver:
+    """`save_checkpoint` off the training loop's path. `save` checks the state and copies it
+    into host memory (on a GPU the device-to-host copy is what the loop waits for), then one
+    thread writes that copy with the same atomic protocol while training goes on. One save at
+    a time: the next `save`, or `wait`, waits for the one in flight and raises its error there
+    (a full disk: `UserError`, the previous checkpoint intact). The thread is not a daemon, so
+    an interpreter that exits, even on an error, finishes the save first; a killed process
+    leaves the previous checkpoint as `latest`, as with a synchronous save.
+
+    The copy holds the whole state once more in host memory while it is written."""
+
+    def __init__(self, run_dir: str | Path, keep_last: int = 2) -> None:
+        self.run_dir, self.keep_last = Path(run_dir), keep_last
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, step: int, state: Mapping[str, Any]) -> None:
+        self.wait()
+        if state.get("model") is not None:
+            _check_finite(state["model"])
+        _check_loadable(state, "state")
+        snapshot = _host_copy(state)
+        self._thread = threading.Thread(
+            target=self._write, args=(step, snapshot), name=f"checkpoint-{step}"
+        )
+        self._thread.start()
+
+    def _write(self, step: int, snapshot: dict[str, Any]) -> None:
+        try:
+            save_checkpoint(self.run_dir, step, snapshot, keep_last=self.keep_last)
+        except BaseException as e:  # raised in the loop's thread by the next save or wait
+            self._error = e
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+def _host_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to host memory and every container rebuilt, so that the
+    training that goes on cannot change what is being written."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, Mapping):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if type(obj) in (list, tuple):
+        return type(obj)(_host_copy(v) for v in obj)
+    return copy.deepcopy(obj)
 
 
 def _write_payload(

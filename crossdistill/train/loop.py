@@ -9,6 +9,7 @@ what each rank holds (`crossdistill.distributed`), rank 0 alone logs and exports
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.checkpoint import (
+    BackgroundSaver,
     capture_rng_state,
     check_writable,
     load_latest,
@@ -78,6 +80,21 @@ def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> d
         device=c.device,
     )
     logger = _logger(cfg, env, run_dir, start_step if latest is not None else None)
+    saver = None
+    if cfg.train.checkpoint_in_background and not env.distributed:
+        saver = BackgroundSaver(run_dir, keep_last=cfg.train.keep_last)
+    try:
+        return _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
+    except BaseException:
+        if saver is not None:  # the save in flight completes; the first error is the one raised
+            with contextlib.suppress(Exception):
+                saver.wait()
+        raise
+
+
+def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver):
+    """The steps from `start_step` on: train, log, validate, checkpoint; then the HF export.
+    Returns the last validation metrics."""
     final: dict[str, float] = {}
     skipped = 0
     with logger:
@@ -120,9 +137,13 @@ def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> d
                 final = evaluate(c, cfg)
                 logger.log(done, final)
             if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
-                _save(c, cfg, run_dir, done)
+                _save(c, cfg, run_dir, done, saver)
             if stop_after is not None and done - start_step >= stop_after:
+                if saver is not None:
+                    saver.wait()
                 return final
+    if saver is not None:
+        saver.wait()
     export_hf(c, run_dir / "final")
     return final
 
@@ -192,7 +213,12 @@ def _state(c: Components, cfg: Config, step: int) -> dict:
     }
 
 
-def _save(c: Components, cfg: Config, run_dir: Path, step: int) -> None:
+def _save(
+    c: Components, cfg: Config, run_dir: Path, step: int, saver: BackgroundSaver | None
+) -> None:
+    if saver is not None:
+        saver.save(step, _state(c, cfg, step))
+        return
     if not c.env.distributed:
         save_checkpoint(run_dir, step, _state(c, cfg, step), keep_last=cfg.train.keep_last)
         return

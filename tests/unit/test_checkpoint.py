@@ -3,6 +3,7 @@ of runs killed mid-save (a real SIGKILL, leftover temp folders, damaged files)."
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -394,3 +396,63 @@ def test_check_writable_refuses_a_nearly_full_disk(tmp_path):
     free = shutil.disk_usage(tmp_path).free
     with pytest.raises(UserError, match="GiB free"):
         check_writable(tmp_path, min_free_bytes=free + 2**40)
+
+
+# ----------------------------------------------------------------------------- background saves
+
+
+def test_background_save_writes_the_state_as_it_was_when_saved(tmp_path, monkeypatch):
+    """Training goes on (and changes the tensors in place) while the thread writes: what lands
+    on disk is the state at `save` time."""
+    from crossdistill.train import checkpoint
+
+    release, writing = threading.Event(), threading.Event()
+    write = checkpoint._write_payload
+
+    def held(*args, **kwargs):
+        writing.set()
+        assert release.wait(30)
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "_write_payload", held)
+    saver = checkpoint.BackgroundSaver(tmp_path, keep_last=2)
+    state = _small_state(5, value=2.0)
+    saver.save(5, state)
+    assert writing.wait(30)  # the thread is writing; the loop has its state back
+    state["model"]["w"].fill_(99.0)
+    state["loader"]["position"] = -1
+    release.set()
+    saver.wait()
+    step, loaded = load_latest(tmp_path)
+    assert step == 5 and loaded["loader"]["position"] == 40
+    assert torch.equal(loaded["model"]["w"], torch.full((4, 3), 2.0))
+
+
+def test_background_save_error_is_raised_by_the_next_wait(tmp_path, monkeypatch):
+    from crossdistill.train import checkpoint
+
+    saver = checkpoint.BackgroundSaver(tmp_path, keep_last=2)
+    saver.save(1, _small_state(1))
+    saver.wait()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_payload", full)
+    saver.save(2, _small_state(2))  # returns: the error belongs to the thread
+    with pytest.raises(UserError, match="disk full"):
+        saver.wait()
+    saver.wait()  # raised once
+    assert load_latest(tmp_path)[0] == 1 and _step_dirs(tmp_path) == ["step_000001"]
+
+
+def test_background_save_refuses_a_non_finite_model_at_once(tmp_path):
+    from crossdistill.train import checkpoint
+
+    saver = checkpoint.BackgroundSaver(tmp_path)
+    state = _small_state(1)
+    state["model"]["w"][0, 0] = float("nan")
+    with pytest.raises(NonFiniteStateError):
+        saver.save(1, state)
+    saver.wait()
+    assert load_latest(tmp_path) is None

@@ -12,6 +12,7 @@ import torch
 
 from crossdistill.config import Config, from_dict
 from crossdistill.errors import UserError
+from crossdistill.train.checkpoint import load_latest
 from crossdistill.train.loop import train
 from crossdistill.train.metrics import read_metrics
 
@@ -90,7 +91,8 @@ def test_cross_and_same_tokenizer_teachers_train_and_resume_exactly(
         _teacher(tokenizer_dir, "llama2", "llama2", 32000, loss="forward_kl"),
         _teacher(tokenizer_dir, "gpt2", "gpt2", 50304, loss="jsd", weight=0.5),
     ]
-    full = _cfg(corpus, tmp_path / "full", tokenizer_dir, teachers)
+    # the uninterrupted run writes its checkpoints in the loop, the killed one in the background
+    full = _cfg(corpus, tmp_path / "full", tokenizer_dir, teachers, checkpoint_in_background=False)
     final = train(full)
     losses = _losses(tmp_path / "full")
     assert sorted(losses) == [1, 2, 3, 4]
@@ -103,6 +105,10 @@ def test_cross_and_same_tokenizer_teachers_train_and_resume_exactly(
     resumed = train(part, resume=True)
     assert _losses(tmp_path / "part") == losses
     assert resumed == final
+    (step_a, a), (step_b, b) = load_latest(tmp_path / "full"), load_latest(tmp_path / "part")
+    assert step_a == step_b == 4 and a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["loader"] == b["loader"] and a["step"] == b["step"]
     # the exported student loads with plain transformers and is the trained model
     from transformers import AutoModelForCausalLM
 
