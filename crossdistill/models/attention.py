@@ -259,11 +259,14 @@ def token_major_rotary(module: Any) -> None:
         return
 
     @functools.wraps(rotary)
-    def wrapped(q: Tensor, k: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        q, k = rotary(q, k, *args, **kwargs)
-        if torch.compiler.is_compiling() and q.dim() == 4 and q.stride(1) > q.stride(2):
-            q, k = _token_major(q), _token_major(k)
-        return q, k
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = rotary(*args, **kwargs)
+        if not (torch.compiler.is_compiling() and isinstance(out, tuple) and len(out) == 2):
+            return out
+        q, k = out
+        if isinstance(q, Tensor) and q.dim() == 4 and q.stride(1) > q.stride(2):
+            return _token_major(q), _token_major(k)
+        return out
 
     wrapped.token_major = True
     module.apply_rotary_pos_emb = wrapped
