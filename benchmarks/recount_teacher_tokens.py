@@ -22,7 +22,9 @@ import shlex
 import tempfile
 from pathlib import Path
 
-PEAK_TFLOPS = 989.0  # dense bf16 datasheet, H100 SXM and H200
+from crossdistill.bench.step import DATASHEET_BF16_TFLOPS
+
+PEAK_TFLOPS = DATASHEET_BF16_TFLOPS["H200"]  # the recorded runs' device
 
 
 def _bench_args(command: str, tokenizers: Path) -> argparse.Namespace:

@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
     from crossdistill.train import step as train_step_module
 
-    padding = getattr(args, "teacher_padding", "auto")
+    padding = args.teacher_padding
     saved = train_step_module.DROP_TEACHER_PADDING
     train_step_module.DROP_TEACHER_PADDING = {"mode": TEACHER_PADDING[padding]}
     try:

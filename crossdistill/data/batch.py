@@ -174,13 +174,12 @@ def segments_from_docs(doc_ids: np.ndarray) -> tuple[np.ndarray, int]:
     return cu, int(np.diff(cu).max()) if cu.size > 1 else 0
 
 
-def real_segments(doc_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-    """`[B, T]` document ids (-1 on padding) -> (flat positions of the non-pad tokens `[N]`,
-    `cu_seqlens` of their segments once the padding is dropped, longest segment). The segments
-    are those of `segments_from_docs` without the padding runs: rows stay apart."""
+def real_segments(doc_ids: np.ndarray, cu: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """`[B, T]` document ids (-1 on padding) and their `segments_from_docs` cu_seqlens -> (flat
+    positions of the non-pad tokens `[N]`, `cu_seqlens` of their segments once the padding is
+    dropped, longest segment): the same segments without the padding runs; rows stay apart."""
     flat = doc_ids.reshape(-1)
     index = np.flatnonzero(flat >= 0)
-    cu, _ = segments_from_docs(doc_ids)
     lengths = np.diff(cu)
     lengths = lengths[flat[cu[:-1]] >= 0]
     real_cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)

@@ -113,7 +113,7 @@ def collate(
     for k, arrays in teachers.items():
         segs.setdefault(k, segments_from_docs(arrays[3]) if k >= 0 else segs[-1])
     cross = [k for k in teachers if k >= 0]
-    real = {k: real_segments(teachers[k][3]) for k in cross}
+    real = {k: real_segments(teachers[k][3], segs[k][0]) for k in cross}
     arrays_all = student + [segs[-1][0]]
     arrays_all += [a for arrays in teachers.values() for a in arrays] + [segs[k][0] for k in cross]
     arrays_all += [a for k in cross for a in real[k][:2]]

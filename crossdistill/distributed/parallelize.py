@@ -8,6 +8,7 @@ materialised one (its weights are split as they are)."""
 from __future__ import annotations
 
 import copy
+import sys
 import types
 from typing import Any
 
@@ -172,14 +173,12 @@ def apply_compile(model: nn.Module) -> None:
     compiled graphs (`varlen_attention` is opaque to them); what compiling fuses is the rest:
     norms, rotary embedding, the gated MLP's activation, residual adds; and queries and keys
     leave the rotary kernel laid out as flash wants them (`token_major_rotary`)."""
-    import sys
-
-    from crossdistill.models.attention import token_major_rotary
+    from crossdistill.models import attention  # looked up here: a comparison can switch it off
 
     for layer in decoder_layers(model):
         attn = getattr(layer, "self_attn", None)
         if attn is not None:
-            token_major_rotary(sys.modules[type(attn).__module__])
+            attention.token_major_rotary(sys.modules[type(attn).__module__])
         layer.compile(dynamic=True)
 
 

@@ -216,13 +216,11 @@ def flash_covers(model: torch.nn.Module, device: torch.device, longest: int) -> 
     cfg = model.config
     if device.type != "cuda" or getattr(cfg, "_attn_implementation", None) != VARLEN:
         return False
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
     heads = getattr(cfg, "num_attention_heads", 1)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    dtype = next(model.parameters()).dtype
     query = torch.empty(0, heads, 0, head_dim, dtype=dtype, device=device)
-    if not _flash_ok(query, None, dtype):
+    if not _flash_ok(query, None, compute_dtype(query)):
         return False
     window = getattr(cfg, "sliding_window", None)
     windowed = getattr(cfg, "use_sliding_window", True) is not False

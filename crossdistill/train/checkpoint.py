@@ -83,12 +83,23 @@ def save_checkpoint(
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    model_sd = state.get("model")
-    if model_sd is not None:
-        _check_finite(model_sd)
-    rest = {k: v for k, v in state.items() if k != "model"}
+    _check_state(state)
+    return _write_checkpoint(Path(run_dir), step, state, keep_last)
+
+
+def _check_state(state: Mapping[str, Any]) -> None:
+    """Refuse a state that must not be saved: a non-finite model, or entries that would not
+    load back."""
+    if state.get("model") is not None:
+        _check_finite(state["model"])
     _check_loadable(state, "state")
+
+
+def _write_checkpoint(run_dir: Path, step: int, state: Mapping[str, Any], keep_last: int) -> Path:
+    """`save_checkpoint` after its checks: the atomic write, the marker, the pruning."""
+    root = run_dir / CHECKPOINTS_DIR
+    model_sd = state.get("model")
+    rest = {k: v for k, v in state.items() if k != "model"}
     root.mkdir(parents=True, exist_ok=True)
     name = _dir_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=root))
@@ -127,9 +138,7 @@ class BackgroundSaver:
 
     def save(self, step: int, state: Mapping[str, Any]) -> None:
         self.wait()
-        if state.get("model") is not None:
-            _check_finite(state["model"])
-        _check_loadable(state, "state")
+        _check_state(state)
         snapshot = _host_copy(state)
         self._thread = threading.Thread(
             target=self._write, args=(step, snapshot), name=f"checkpoint-{step}"
@@ -138,7 +147,7 @@ class BackgroundSaver:
 
     def _write(self, step: int, snapshot: dict[str, Any]) -> None:
         try:
-            save_checkpoint(self.run_dir, step, snapshot, keep_last=self.keep_last)
+            _write_checkpoint(self.run_dir, step, snapshot, self.keep_last)
         except BaseException as e:  # raised in the loop's thread by the next save or wait
             self._error = e
 

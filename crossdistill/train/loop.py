@@ -84,12 +84,15 @@ def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> d
     if cfg.train.checkpoint_in_background and not env.distributed:
         saver = BackgroundSaver(run_dir, keep_last=cfg.train.keep_last)
     try:
-        return _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
+        final = _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
     except BaseException:
         if saver is not None:  # the save in flight completes; the first error is the one raised
             with contextlib.suppress(Exception):
                 saver.wait()
         raise
+    if saver is not None:  # the last checkpoint is on disk when `train` returns
+        saver.wait()
+    return final
 
 
 def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver):
@@ -139,11 +142,7 @@ def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
             if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
                 _save(c, cfg, run_dir, done, saver)
             if stop_after is not None and done - start_step >= stop_after:
-                if saver is not None:
-                    saver.wait()
                 return final
-    if saver is not None:
-        saver.wait()
     export_hf(c, run_dir / "final")
     return final
 
