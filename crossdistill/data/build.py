@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from crossdistill.config import DataConfig
 from crossdistill.data.encoders import TokenizerSide
-from crossdistill.data.loader import DistillLoader, PackedStream, default_pin_memory
+from crossdistill.data.loader import DistillLoader, HeldOut, PackedStream, default_pin_memory
 from crossdistill.data.schedule import Plan
 from crossdistill.data.sources import open_source
 from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream
@@ -28,8 +28,10 @@ def build_loader(
     world_size: int = 1,
     chat_templates: list[str | None] | None = None,
     pin_memory: bool | None = None,
-) -> DistillLoader:
-    """A loader of `Batch`es for `split`, this rank's share of it.
+) -> DistillLoader | HeldOut:
+    """A loader of `Batch`es for `split`, this data-parallel rank's share of it: the endless,
+    resumable training stream, or the validation split as `HeldOut` (the same batches every
+    time, independent of `data.num_workers` and the number of ranks).
 
     tok_s / toks_t: the student's and each teacher's (fast HF) tokenizer, teachers in config
     order. chat_templates: optional templates for `[student, *teachers]` (None: the
@@ -52,14 +54,16 @@ def build_loader(
     field = data_cfg.messages_field if chat else data_cfg.text_field
     paths, split_rule = _paths(data_cfg, split)
     sources = [open_source(p, data_cfg.format, field) for p in paths]
-    num_workers = max(0, int(data_cfg.num_workers))
+    train = split == "train"
+    # validation: one consumer over the whole split, whatever the workers and ranks (`HeldOut`)
+    num_workers = max(0, int(data_cfg.num_workers)) if train else 0
     plan = Plan(
         sources,
         split_rule,
         data_cfg.val_fraction,
         data_cfg.seed,
-        num_consumers=world_size * max(1, num_workers),
-        shuffle=split == "train",
+        num_consumers=world_size * max(1, num_workers) if train else 1,
+        shuffle=train,
     )
     spec = StreamSpec(
         kind="chat" if chat else "text",
@@ -71,13 +75,14 @@ def build_loader(
         bad_input=data_cfg.bad_input,
         slots=tuple(slots),
     )
-    stream = PackedStream(plan, sides, spec, rank, num_workers, repeat=split == "train")
-    if split == "train":
-        _check_train_share(stream)
-    else:
+    if not train:
+        stream = PackedStream(plan, sides, spec, 0, 0, repeat=False)
         _check_validation_fills_a_batch(stream, paths)
+        return HeldOut(stream, rank, world_size)
+    stream = PackedStream(plan, sides, spec, rank, num_workers, repeat=True)
+    _check_train_share(stream)
     pin = default_pin_memory() if pin_memory is None else pin_memory
-    return DistillLoader(stream, num_workers, pin, resumable=split == "train")
+    return DistillLoader(stream, num_workers, pin, resumable=True)
 
 
 def _check_settings(cfg: DataConfig, split: str, rank: int, world_size: int) -> None:
@@ -139,25 +144,16 @@ def _check_train_share(stream: PackedStream) -> None:
 
 
 def _check_validation_fills_a_batch(stream: PackedStream, paths: list[str]) -> None:
-    """Build this rank's first validation batch now, so a too-small set fails at start."""
-    for logical in range(stream.num_logical):
-        first = next(
-            batch_stream(
-                stream.plan,
-                stream.consumer(logical),
-                stream.sides,
-                stream.spec,
-                WorkerState(),
-                repeat=False,
-            ),
-            None,
-        )
-        if first is not None and bool((first[0].student.doc_ids[:, 0] >= 0).all()):
-            return
+    """Build the first validation batch now, so a too-small set fails at start."""
+    first = next(
+        batch_stream(stream.plan, 0, stream.sides, stream.spec, WorkerState(), repeat=False),
+        None,
+    )
+    if first is not None and bool((first[0].student.doc_ids[:, 0] >= 0).all()):
+        return
     spec = stream.spec
     raise UserError(
         f"validation data too small: {', '.join(paths)} does not fill one micro-batch "
-        f"({spec.batch_size} sequences of up to {spec.seq_len} tokens) on rank {stream.rank} "
-        f"with {stream.num_logical} data worker(s); give more validation data, raise "
-        "data.val_fraction, or lower data.micro_batch_size or data.num_workers"
+        f"({spec.batch_size} sequences of up to {spec.seq_len} tokens); give more validation "
+        "data, raise data.val_fraction, or lower data.micro_batch_size"
     )

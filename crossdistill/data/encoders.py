@@ -57,6 +57,17 @@ class TokenizerSide:
     def is_fast(self) -> bool:
         return self._fast is not None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Loader workers start from a fresh interpreter and receive the sides pickled; the
+        # tiktoken encoder is a closure, so it is rebuilt there (once per worker and tokenizer).
+        state = dict(self.__dict__)
+        state["_fast"] = state["_fast"] is not None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fast = _fast_encoder(self.fingerprint, self._backend) if state["_fast"] else None
+
     def encode_content(self, text: str) -> np.ndarray:
         """[n] int64 ids of document text or a message content (special tokens as text)."""
         if self._fast is not None and (self._added is None or self._added.search(text) is None):

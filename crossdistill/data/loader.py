@@ -1,6 +1,7 @@
 """The resumable loader the trainer uses, and `build_loader`, its one builder.
 
-Workers: with `num_workers = W > 0` each DataLoader worker is one consumer of the schedule
+Workers: with `num_workers = W > 0` each DataLoader worker (a fresh process, see
+`WORKER_START_METHOD`) is one consumer of the schedule
 (`rank * W + worker`) and builds whole batches (tokenize, align, pack, collate); the DataLoader
 hands them out round-robin, worker 0 first. The loader remembers, per worker, the state after
 the last batch it handed to the trainer, and which worker is next. On resume the workers start
@@ -22,10 +23,17 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from crossdistill.data.batch import Batch
 from crossdistill.data.encoders import TokenizerSide
 from crossdistill.data.schedule import EmptyStream, Plan
-from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream
+from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream, empty_batch
 from crossdistill.errors import UserError
 
 STATE_VERSION = 1
+# Workers start from a fresh interpreter, never forked from the trainer: a forked worker holds a
+# copy of the trainer's whole heap, and when its garbage collector frees a CUDA tensor it finds
+# there (garbage of the parent's, not yet collected at the fork) the worker aborts with "CUDA
+# error: initialization error". "spawn" rather than "forkserver": the fork server is one
+# process-wide server whose preloaded modules are a global setting of the user's program.
+# What a worker receives is pickled (`PackedStream`: the plan and the tokenizer sides).
+WORKER_START_METHOD = "spawn"
 
 
 @dataclass(frozen=True)
@@ -114,12 +122,16 @@ class DistillLoader:
             self.stream.start_states, self.stream.worker_offset = list(self._states), self._next
         else:
             self.stream.start_states, self.stream.worker_offset = [WorkerState()] * n, 0
+        workers = {}
+        if self.num_workers > 0:
+            workers = {"multiprocessing_context": WORKER_START_METHOD}
         loader = DataLoader(
             self.stream,
             batch_size=None,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             collate_fn=_keep,
+            **workers,
         )
         for batch, where in loader:
             if isinstance(batch, _Failure):
@@ -198,6 +210,66 @@ class DistillLoader:
             "num_blocks": int(s.plan.blocks.shape[0]),
             "tokenizers": [side.fingerprint[:16] for side in s.sides],
         }
+
+
+class HeldOut:
+    """The validation split as the same batches every time, whatever the number of loader
+    workers or data-parallel ranks: one consumer packs the whole split in file order, in this
+    process (no workers), and its batches are kept in host memory once built, since every
+    validation evaluates the same ones. The first `num` batches are the validation set;
+    data-parallel rank `r` of `D` evaluates batches `r, r + D, ...` of them, and every rank gets
+    the same number of batches (a rank short of one gets a batch of padding, which adds
+    nothing), because teacher forwards spread over ranks are collectives."""
+
+    def __init__(self, stream: PackedStream, data_rank: int = 0, data_size: int = 1):
+        self.stream = stream
+        self.data_rank, self.data_size = data_rank, data_size
+        self._built: list[Batch] = []
+        self._source: Iterator[tuple[Batch, WorkerState]] | None = None
+        self._complete = False
+        self._padding: Batch | None = None
+
+    def _global(self, num: int) -> list[Batch]:
+        """The first `num` batches of the split (fewer if it has fewer), built once."""
+        if self._source is None and not self._complete:
+            self._source = self._stream()
+        while len(self._built) < num and not self._complete:
+            item = next(self._source, None)
+            if item is None:
+                self._complete, self._source = True, None
+            else:
+                self._built.append(item[0])
+        return self._built[:num]
+
+    def _stream(self) -> Iterator[tuple[Batch, WorkerState]]:
+        s = self.stream
+        try:
+            yield from batch_stream(s.plan, 0, s.sides, s.spec, WorkerState(), repeat=False)
+        except EmptyStream:
+            return
+
+    def take(self, num: int) -> list[Batch]:
+        """This rank's share of the first `num` validation batches of the split, padded with
+        empty batches to the same count on every rank."""
+        batches = self._global(num)
+        if not batches:
+            raise UserError("the validation split gave no batch")
+        mine = batches[self.data_rank :: self.data_size]
+        count = -(-len(batches) // self.data_size)
+        return mine + [self._empty()] * (count - len(mine))
+
+    def __iter__(self) -> Iterator[Batch]:
+        """This rank's share of the whole split."""
+        yield from self.take(1 << 62)
+
+    def _empty(self) -> Batch:
+        if self._padding is None:
+            self._padding = empty_batch(self.stream.sides, self.stream.spec)
+        return self._padding
+
+    @property
+    def num_skipped(self) -> int:
+        return 0
 
 
 def default_pin_memory() -> bool:

@@ -106,6 +106,12 @@ def batch_stream(
         )
 
 
+def empty_batch(sides: list[TokenizerSide], spec: StreamSpec) -> Batch:
+    """A batch of padding rows only: it adds nothing to any sum (see `HeldOut`)."""
+    args = (spec.batch_size, spec.seq_len, spec.pad_multiple, sides[0].lengths, sides[0].pad_id)
+    return collate([], *args, list(spec.slots), [s.pad_id for s in sides[1:]])
+
+
 def _units(
     plan: Plan,
     consumer: int,

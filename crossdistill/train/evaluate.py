@@ -22,9 +22,10 @@ LN2 = math.log(2.0)
 
 @torch.no_grad()
 def evaluate(c: Any, cfg: Config) -> dict[str, float]:
-    """Metrics over the first `train.eval_batches` validation batches (the same ones every
-    time). Every sum is divided once at the end, so the values do not depend on batching; under
-    `torchrun` the sums of all data-parallel ranks are added first."""
+    """Metrics over the first `train.eval_batches` batches of the validation split: the same
+    documents packed the same way every time, however many loader workers and ranks there are
+    (`crossdistill.data.HeldOut`). Every sum is divided once at the end; under `torchrun` the
+    sums of all data-parallel ranks are added first."""
     dev = c.device
     place = c.placement if c.placement is not None else SingleProcess(dev)
     was_training = c.student.training
@@ -38,7 +39,8 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
     for s in c.slots:
         if s.teacher.offload:
             s.teacher.to(dev)
-    # exactly eval_batches on every rank (a rank that ran out early would hang the others)
+    # this rank's share of the first eval_batches batches of the split, the same count on every
+    # rank (a rank that ran out early would hang the others in a collective)
     for batch in c.val_loader.take(cfg.train.eval_batches):
         labels = batch.student.labels.to(dev).flatten()
         terms = []
