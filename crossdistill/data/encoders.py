@@ -9,9 +9,11 @@ Document conventions (each tokenizer keeps its own):
   `<|end_of_text|>` when the vocabulary has it as a special token (the pretraining separator of
   Qwen, GPT-2, Phi and Llama-3, whose chat `eos_token` differs), else `eos_token`. A chat
   rendering that already ends with that token does not get a second one.
-- **Content** (document text, message contents) is encoded with special tokens read as plain
-  text: a literal `<|im_end|>` in a web page is text, not a control token. Template text is
-  encoded with special tokens parsed.
+- **Content** (document text, message contents) is text, every character of it: a literal
+  `<|im_end|>`, `<s>` or `<think>` in a web page is encoded as the characters it is made of,
+  never as the control or added token of that name (special or not). Only the pipeline's
+  BOS / document end and chat-template text produce added tokens (template text is encoded
+  with them parsed).
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from crossdistill.data.fast_tokenize import added_token_pattern, as_int64, build_fast_encoder
+from crossdistill.data.fast_tokenize import as_int64, build_fast_encoder, content_backend
 from crossdistill.errors import UserError
 
 _DOC_END_NAMES = ("<|endoftext|>", "<|end_of_text|>")
 _FAST_CACHE: dict[str, Any] = {}
+_CONTENT_CACHE: dict[str, Any] = {}
 
 
 class TokenizerSide:
@@ -46,7 +49,6 @@ class TokenizerSide:
         self.lengths = self.token_bytes.lengths
         backend = tok.backend_tokenizer
         self._backend = backend
-        self._added = added_token_pattern(backend)
         self._fast = _fast_encoder(self.fingerprint, backend) if fast else None
         self.bos_ids, suffix = _added_ids(backend)
         self.doc_end_id = suffix[-1] if suffix else _doc_end_id(tok, backend)
@@ -69,16 +71,12 @@ class TokenizerSide:
         self._fast = _fast_encoder(self.fingerprint, self._backend) if state["_fast"] else None
 
     def encode_content(self, text: str) -> np.ndarray:
-        """[n] int64 ids of document text or a message content (special tokens as text)."""
-        if self._fast is not None and (self._added is None or self._added.search(text) is None):
+        """[n] int64 ids of document text or a message content: all of it text, no added token
+        (see the module doc)."""
+        if self._fast is not None:
             return as_int64(self._fast(text))
-        backend = self._backend
-        before = backend.encode_special_tokens
-        backend.encode_special_tokens = True  # read special-token strings as text
-        try:
-            return as_int64(backend.encode(text, add_special_tokens=False).ids)
-        finally:
-            backend.encode_special_tokens = before
+        content = _content_backend(self.fingerprint, self._backend)
+        return as_int64(content.encode(text, add_special_tokens=False).ids)
 
     def encode_template(self, text: str) -> np.ndarray:
         """[n] int64 ids of chat-template text (special tokens parsed)."""
@@ -107,6 +105,12 @@ def _fast_encoder(fingerprint: str, backend: Any) -> Any:
     if fingerprint not in _FAST_CACHE:
         _FAST_CACHE[fingerprint] = build_fast_encoder(backend)
     return _FAST_CACHE[fingerprint]
+
+
+def _content_backend(fingerprint: str, backend: Any) -> Any:
+    if fingerprint not in _CONTENT_CACHE:
+        _CONTENT_CACHE[fingerprint] = content_backend(backend)
+    return _CONTENT_CACHE[fingerprint]
 
 
 def _added_ids(backend: Any) -> tuple[list[int], list[int]]:

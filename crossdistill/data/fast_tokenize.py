@@ -5,9 +5,8 @@ five times faster than the `tokenizers` library on one thread. It is used only w
 the same ids: the tokenizer must be a byte-level BPE whose merges are ordered by the rank of
 their result (true of every tiktoken-born vocabulary: Llama-3, GPT-2, Qwen, Phi-4), with no
 normalizer other than NFC, a single regex split, and no dropout, byte fallback or subword
-prefixes. A probe text must then encode identically both ways. Texts that contain a
-non-special added token (e.g. Qwen's `<think>`) go to the `tokenizers` path, which matches
-those literally.
+prefixes. A probe text must then encode identically both ways. Like `content_backend`, it
+knows no added tokens: every character of a document is text.
 """
 
 from __future__ import annotations
@@ -123,17 +122,14 @@ def _merges_follow_ranks(model: dict[str, Any]) -> bool:
     return True
 
 
-def added_token_pattern(backend: Any) -> re.Pattern[str] | None:
-    """A regex finding the non-special added tokens (those the content path must match
-    literally), or None when there are none."""
-    contents = [
-        t.content
-        for t in backend.get_added_tokens_decoder().values()
-        if not t.special and t.content
-    ]
-    if not contents:
-        return None
-    return re.compile("|".join(re.escape(c) for c in sorted(contents, key=len, reverse=True)))
+def content_backend(backend: Any) -> Any:
+    """A copy of `backend` (a `tokenizers.Tokenizer`) without its added tokens, special or not:
+    what document text is encoded with, so that a literal `<s>`, `<|im_start|>` or `<think>` in
+    a document is text (the model's own pieces for those characters), never a control token."""
+    spec = json.loads(backend.to_str())
+    spec["added_tokens"] = []
+    spec["post_processor"] = None
+    return type(backend).from_str(json.dumps(spec))
 
 
 def as_int64(ids: list[int]) -> np.ndarray:
