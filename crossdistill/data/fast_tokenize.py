@@ -12,7 +12,6 @@ knows no added tokens: every character of a document is text.
 from __future__ import annotations
 
 import json
-import re
 import unicodedata
 from collections.abc import Callable
 from typing import Any
