@@ -190,7 +190,6 @@ def global_batches(cfg: Config, count: int) -> list:
 
 
 def slots_for(cfg: Config, models_t: list, device: torch.device) -> list:
-    from crossdistill.alignment import TokenBytes
     from crossdistill.models import Teacher, load_tokenizer
     from crossdistill.train.build import build_projection_for
     from crossdistill.train.step import TeacherSlot
@@ -204,8 +203,7 @@ def slots_for(cfg: Config, models_t: list, device: torch.device) -> list:
         proj = build_projection_for(
             t, tok, tok_s, r.hf_config.vocab_size, res_s.hf_config.vocab_size, device
         )
-        lengths = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
-        slots.append(TeacherSlot(Teacher(model, t.name), t, proj, lengths.to(device)))
+        slots.append(TeacherSlot(Teacher(model, t.name), t, proj))
     return slots
 
 

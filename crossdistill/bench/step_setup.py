@@ -57,7 +57,6 @@ def _corpus(workdir: Path, min_bytes: int) -> Path:
 
 
 def build_bench(args) -> Bench:
-    from crossdistill.alignment import TokenBytes
     from crossdistill.train.build import build_projection_for
 
     device = torch.device(args.device)
@@ -79,10 +78,7 @@ def build_bench(args) -> Bench:
         proj = build_projection_for(
             tcfg, tok, tok_s, model.get_output_embeddings().weight.shape[0], rows_s, device
         )
-        lengths = torch.as_tensor(
-            TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64, device=device
-        )
-        slots.append(TeacherSlot(Teacher(model, tcfg.name), tcfg, proj, lengths))
+        slots.append(TeacherSlot(Teacher(model, tcfg.name), tcfg, proj))
     loader = bench_loader(args, Path(workdir.name), tok_s, toks_t, cuda=device.type == "cuda")
     settings = StepSettings(
         kd_ratio=0.5,

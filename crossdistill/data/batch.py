@@ -30,8 +30,9 @@ class StudentBatch:
         the `loss_on` set: prompts and chat template).
     position_ids: restart at 0 for each packed document (a continued piece goes on counting).
     doc_ids: 0, 1, ... per document within a row, -1 on padding.
-    target_bytes: UTF-8 bytes covered by each label token (0 where `labels == -100`), for
-        bits per byte.
+    target_bytes: bytes of the text covered by each label token (0 where `labels == -100`),
+        for bits per byte: the text's own UTF-8 bytes (a SentencePiece dummy-prefix space and
+        Unicode normalisation do not count), so every tokenizer divides by the same number.
     num_target_tokens / num_target_bytes: the totals of `labels != -100` and `target_bytes`
         as Python ints (no device sync needed to count).
     cu_seqlens: [S + 1] int32 start of each attention segment (a run of one `doc_ids` value
@@ -73,6 +74,8 @@ class TeacherBatch:
     real_index / real_cu_seqlens / real_max_seqlen (cross teachers): the flat positions of the
         non-pad tokens `[N]` and their segments once the padding is dropped, so the teacher's
         body can run on `[1, N]` instead of `[B, T_t]` (see `train.step.teacher_hidden`).
+    target_bytes: `[B, T_t]` bytes of the text each label covers, as the student's: over the
+        same text both sides' sums are equal (the teacher's bits per byte divides by it).
     """
 
     input_ids: torch.Tensor
@@ -88,6 +91,7 @@ class TeacherBatch:
     real_index: torch.Tensor | None = None
     real_cu_seqlens: torch.Tensor | None = None
     real_max_seqlen: int = 0
+    target_bytes: torch.Tensor | None = None
 
 
 @dataclass

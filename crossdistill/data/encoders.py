@@ -3,8 +3,11 @@ delimiters, byte table.
 
 Document conventions (each tokenizer keeps its own):
 - **Start**: plain-text documents start with the tokens the tokenizer itself puts in front of a
-  text (Llama-3 `<|begin_of_text|>`, Llama-2 `<s>`, none for Qwen, GPT-2, Phi-4). A chat
-  document starts with whatever its chat template renders (Llama-3's template writes the BOS).
+  text (Llama-3 `<|begin_of_text|>`, Llama-2 `<s>`), and where it puts none (Qwen, GPT-2, Phi-4)
+  with its end-of-document token, as evaluation harnesses condition such models: so every
+  tokenizer predicts the first text token too, and bits per byte score every byte on every
+  side. A row that continues a document cut by packing starts the same way. A chat document
+  starts with whatever its chat template renders (Llama-3's template writes the BOS).
 - **End**: every document ends with the tokenizer's end-of-document token: `<|endoftext|>` or
   `<|end_of_text|>` when the vocabulary has it as a special token (the pretraining separator of
   Qwen, GPT-2, Phi and Llama-3, whose chat `eos_token` differs), else `eos_token`. A chat
@@ -34,7 +37,9 @@ class TokenizerSide:
     """Everything the pipeline needs from one distinct tokenizer (keyed by fingerprint).
 
     lengths: [V] int32 bytes covered by each id (0 for specials), from the alignment byte table.
-    bos_ids: ids put before a plain-text document; doc_end_id: id after every document.
+    bos_ids: the ids the tokenizer itself puts before a text; start_ids: what the pipeline puts
+    before a plain-text document and a continued row (`bos_ids`, or the document end where there
+    is no BOS); doc_end_id: id after every document.
     """
 
     def __init__(self, tok: Any, chat_template: str | None = None, fast: bool = True):
@@ -52,6 +57,11 @@ class TokenizerSide:
         self._fast = _fast_encoder(self.fingerprint, backend) if fast else None
         self.bos_ids, suffix = _added_ids(backend)
         self.doc_end_id = suffix[-1] if suffix else _doc_end_id(tok, backend)
+        # in front of every document and of every row that continues one: the BOS, or for a
+        # tokenizer without one its end-of-document token (what evaluation harnesses condition
+        # such a model's first token on), so that every tokenizer predicts every text token
+        start = self.bos_ids or ([] if self.doc_end_id is None else [self.doc_end_id])
+        self.start_ids = np.asarray(start, dtype=np.int64)
         pad = getattr(tok, "pad_token_id", None)
         self.pad_id = int(pad if pad is not None else (self.doc_end_id or 0))
 

@@ -28,25 +28,32 @@ from crossdistill.data.batch import (
     segments_from_docs,
     shifted_labels,
 )
+from crossdistill.data.encoders import TokenizerSide
 from crossdistill.data.units import Unit
 
 
 @dataclass
 class Segment:
     """Cut points `[a, b)` (indices into `unit.cuts_s`) of one unit placed in a row;
-    `cont` says it continues the previous segment's document in the same row."""
+    `cont` says it continues the previous segment's document in the same row; `head` that it
+    starts in the middle of a document with nothing of it before in the row, so each side's
+    start tokens (`TokenizerSide.start_ids`) go in front of it: its first token is then
+    predicted on every side, as a document's first token is."""
 
     unit: Unit
     a: int
     b: int
     cont: bool
+    head: bool = False
 
 
 class RowPacker:
-    """Fills rows of at most `seq_len` student tokens with unit segments."""
+    """Fills rows of at most `seq_len` student tokens with unit segments; `head_s`: the
+    student's start tokens, which a segment with `head` takes in front."""
 
-    def __init__(self, seq_len: int):
+    def __init__(self, seq_len: int, head_s: int = 0):
         self.seq_len = seq_len
+        self.head_s = head_s
         self.row: list[Segment] = []
         self.fill = 0
         self.open_doc = False  # the row's last segment ended at its unit's end, mid-document
@@ -56,16 +63,17 @@ class RowPacker:
         `(b, row_full)`: the cut point reached and whether the row must be closed now.
         `b == a` with an empty row means the next cut point is more than `seq_len` away."""
         cuts = unit.cuts_s
-        room = self.seq_len - self.fill
+        cont = bool(self.row) and a == 0 and not unit.first and self.open_doc
+        head = not cont and (a > 0 or not unit.first) and self.head_s > 0
+        room = self.seq_len - self.fill - (self.head_s if head else 0)
         n_left = int(cuts[-1] - cuts[a])
         if unit.chat and a == 0 and self.fill and room < n_left <= self.seq_len:
             return a, True  # keep a conversation whole
         b = int(np.searchsorted(cuts, cuts[a] + room, side="right")) - 1
         if b <= a:
             return a, bool(self.fill)
-        cont = bool(self.row) and a == 0 and not unit.first and self.open_doc
-        self.row.append(Segment(unit, a, b, cont))
-        self.fill += int(cuts[b] - cuts[a])
+        self.row.append(Segment(unit, a, b, cont, head))
+        self.fill += int(cuts[b] - cuts[a]) + (self.head_s if head else 0)
         self.open_doc = b == cuts.size - 1 and not unit.last
         return b, b < cuts.size - 1 or self.fill >= self.seq_len
 
@@ -83,29 +91,29 @@ def collate(
     batch_size: int,
     seq_len: int,
     pad_multiple: int,
-    lengths_s: np.ndarray,
-    pad_s: int,
+    sides: list[TokenizerSide],
     slots: list[int],
-    pads_t: list[int],
 ) -> Batch:
-    """Rows (at most `batch_size`; missing rows are all padding) -> `Batch`. `slots[i]` is the
-    index of teacher `i` among the units' cross-tokenizer teachers, -1 for the student's own
-    tokenizer; `pads_t[k]` the pad id of cross teacher `k`."""
-    ids, target, doc, pos = _fill(
-        [[(s.unit.ids_s, s.unit.target_s, s.unit.cuts_s, s) for s in r] for r in rows],
-        batch_size,
-        seq_len,
-        pad_s,
-    )
+    """Rows (at most `batch_size`; missing rows are all padding) -> `Batch`. `sides`: the
+    student's then each cross teacher's `TokenizerSide` (pad and start ids); `slots[i]` is the
+    index of teacher `i` among the cross teachers, -1 for the student's own tokenizer."""
+    head_s = sides[0].start_ids
+    ids, target, doc, pos, text_bytes = _fill(
+        [[(s.unit.ids_s, s.unit.target_s, s.unit.text_bytes_s, s.unit.cuts_s, s) for s in r]
+         for r in rows],
+        batch_size, seq_len, sides[0].pad_id, head_s,
+    )  # fmt: skip
     labels = shifted_labels(ids, target, doc)
-    target_bytes = np.where(labels >= 0, lengths_s[np.maximum(labels, 0)], 0).astype(np.int64)
+    target_bytes = _target_bytes(text_bytes, labels)
     student = [ids, labels, pos, doc, target_bytes]
     teachers: dict[int, list[np.ndarray]] = {}
     for k in dict.fromkeys(slots):
         if k < 0:
             teachers[k] = [*identity_chunks(doc, labels)]
         else:
-            teachers[k] = _cross_teacher(rows, k, batch_size, seq_len, pad_multiple, pads_t[k])
+            teachers[k] = _cross_teacher(
+                rows, k, batch_size, seq_len, pad_multiple, sides[1 + k], len(head_s)
+            )
             teachers[k][-1] &= _has_kd_position(teachers[k][-2], doc, labels, teachers[k][3])
     # one buffer for the whole batch (see `pack_tensors`)
     # attention segments (documents) of each side, for varlen attention
@@ -134,10 +142,12 @@ def collate(
         if k < 0:
             built[k] = TeacherBatch(
                 *s_t[:4], t[0], t[1], int(kd.sum()), same_as_student=True, cu_seqlens=cu_s,
-                max_seqlen=segs[-1][1],
+                max_seqlen=segs[-1][1], target_bytes=s_t[4],
             )  # fmt: skip
         else:
-            built[k] = TeacherBatch(*t, num_kd=int(kd.sum()), same_as_student=False)
+            built[k] = TeacherBatch(
+                *t[:4], *t[5:7], num_kd=int(kd.sum()), same_as_student=False, target_bytes=t[4]
+            )
     for k in cross:
         built[k].cu_seqlens, built[k].max_seqlen = next(tensors), segs[k][1]
     for k in cross:
@@ -146,26 +156,42 @@ def collate(
     return Batch(student=student_batch, teachers=[built[k] for k in slots])
 
 
-def _fill(rows: list[list[tuple]], batch_size: int, width: int, pad: int) -> tuple[np.ndarray, ...]:
-    """[B, width] ids, target, doc ids and positions from per-row lists of
-    `(ids, target, cuts, segment)`."""
+def _target_bytes(text_bytes: np.ndarray, labels: np.ndarray) -> np.ndarray:
+    """[B, T] bytes of the text the label at each position covers (0 where there is none)."""
+    following = np.zeros_like(text_bytes)
+    following[:, :-1] = text_bytes[:, 1:]
+    return np.where(labels >= 0, following, 0).astype(np.int64)
+
+
+def _fill(
+    rows: list[list[tuple]], batch_size: int, width: int, pad: int, head: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """[B, width] ids, target, doc ids, positions and text bytes from per-row lists of
+    `(ids, target, text_bytes, cuts, segment)`; a segment with `head` gets `head` in front."""
     ids = np.full((batch_size, width), pad, dtype=np.int64)
     target = np.zeros((batch_size, width), dtype=bool)
     doc = np.full((batch_size, width), -1, dtype=np.int64)
     pos = np.zeros((batch_size, width), dtype=np.int64)
+    text_bytes = np.zeros((batch_size, width), dtype=np.int64)
     for r, row in enumerate(rows):
         off, d = 0, -1
-        for u_ids, u_target, cuts, seg in row:
+        for u_ids, u_target, u_bytes, cuts, seg in row:
             lo, hi = int(cuts[seg.a]), int(cuts[seg.b])
-            n = hi - lo
             p0 = int(pos[r, off - 1]) + 1 if seg.cont else 0
             d += 0 if seg.cont else 1
+            if seg.head and head.size:  # start tokens: no target, no text
+                h = head.size
+                ids[r, off : off + h], doc[r, off : off + h] = head, d
+                pos[r, off : off + h] = np.arange(p0, p0 + h)
+                off, p0 = off + h, p0 + h
+            n = hi - lo
             ids[r, off : off + n] = u_ids[lo:hi]
             target[r, off : off + n] = u_target[lo:hi]
+            text_bytes[r, off : off + n] = u_bytes[lo:hi]
             doc[r, off : off + n] = d
             pos[r, off : off + n] = np.arange(p0, p0 + n)
             off += n
-    return ids, target, doc, pos
+    return ids, target, doc, pos, text_bytes
 
 
 def _cross_teacher(
@@ -174,20 +200,31 @@ def _cross_teacher(
     batch_size: int,
     seq_len: int,
     pad_multiple: int,
-    pad_t: int,
+    side: TokenizerSide,
+    head_s: int,
 ) -> list[np.ndarray]:
-    """Cross teacher `k`: `[ids, labels, positions, doc ids]` `[B, T_t]`, chunks `[C, 4]`
-    flattened over the batch, and the chunks' content flags `[C]`."""
+    """Cross teacher `k`: `[ids, labels, positions, doc ids, target bytes]` `[B, T_t]`, chunks
+    `[C, 4]` flattened over the batch, and the chunks' content flags `[C]`. A segment's start
+    tokens (`head`) pair with the student's as one chunk of their own, never a KD position."""
+    head_t = side.start_ids
     views = [[(s.unit.teachers[k], s) for s in r] for r in rows]
-    row_len = [sum(int(u.cuts[s.b] - u.cuts[s.a]) for u, s in r) for r in views]
+    row_len = [
+        sum(int(u.cuts[s.b] - u.cuts[s.a]) + head_t.size * s.head for u, s in r) for r in views
+    ]
     width = max(pad_multiple, -(-max(row_len, default=1) // pad_multiple) * pad_multiple)
-    ids, target, doc, pos = _fill(
-        [[(u.ids, u.target, u.cuts, s) for u, s in r] for r in views], batch_size, width, pad_t
-    )
+    ids, target, doc, pos, text_bytes = _fill(
+        [[(u.ids, u.target, u.text_bytes, u.cuts, s) for u, s in r] for r in views],
+        batch_size, width, side.pad_id, head_t,
+    )  # fmt: skip
     chunks, kd = [], []
     for r, row in enumerate(views):
         off_s = off_t = 0
         for u, s in row:
+            if s.head:
+                at_s, at_t = r * seq_len + off_s, r * width + off_t
+                chunks.append(np.asarray([[at_s, at_s + head_s, at_t, at_t + head_t.size]]))
+                kd.append(np.zeros(1, dtype=bool))
+                off_s, off_t = off_s + head_s, off_t + head_t.size
             lo_s, hi_s = int(s.unit.cuts_s[s.a]), int(s.unit.cuts_s[s.b])
             lo_t, hi_t = int(u.cuts[s.a]), int(u.cuts[s.b])
             c0, c1 = np.searchsorted(u.chunks[:, 0], [lo_s, hi_s], side="left")
@@ -195,9 +232,10 @@ def _cross_teacher(
             chunks.append(u.chunks[c0:c1] + np.asarray(shift, dtype=np.int64))
             kd.append(u.kd[c0:c1])
             off_s, off_t = off_s + hi_s - lo_s, off_t + hi_t - lo_t
-    chunks_np = np.concatenate(chunks) if chunks else np.zeros((0, 4), dtype=np.int64)
+    chunks_np = np.concatenate(chunks).astype(np.int64) if chunks else np.zeros((0, 4), np.int64)
     kd_np = np.concatenate(kd) if kd else np.zeros(0, dtype=bool)
-    return [ids, shifted_labels(ids, target, doc), pos, doc, chunks_np, kd_np]
+    labels = shifted_labels(ids, target, doc)
+    return [ids, labels, pos, doc, _target_bytes(text_bytes, labels), chunks_np, kd_np]
 
 
 def _has_kd_position(chunks: np.ndarray, doc_s: np.ndarray, labels_s: np.ndarray, doc_t):

@@ -71,10 +71,9 @@ def batch_stream(
     missing rows are padding."""
     policy = BadInputPolicy(spec.bad_input)
     policy.num_skipped = start.skipped
-    packer = RowPacker(spec.seq_len)
+    packer = RowPacker(spec.seq_len, _head_size(sides))
     rows: list = []
-    pads_t = [s.pad_id for s in sides[1:]]
-    args = (spec.batch_size, spec.seq_len, spec.pad_multiple, sides[0].lengths, sides[0].pad_id)
+    args = (spec.batch_size, spec.seq_len, spec.pad_multiple, sides, list(spec.slots))
     dropped: tuple[int, int, int] | None = None  # the row whose remaining pieces are dropped
     for cursor, unit, where in _units(plan, consumer, sides, spec, start, repeat, policy, packer):
         row_key = (cursor.epoch, cursor.block, cursor.row)
@@ -93,7 +92,7 @@ def batch_stream(
                 rows.append(packer.close())
                 if len(rows) == spec.batch_size:
                     yield (
-                        collate(rows, *args, list(spec.slots), pads_t),
+                        collate(rows, *args),
                         WorkerState(cursor, a, policy.num_skipped),
                     )
                     rows = []
@@ -101,15 +100,20 @@ def batch_stream(
         rows.append(packer.close())
     if rows:
         yield (
-            collate(rows, *args, list(spec.slots), pads_t),
+            collate(rows, *args),
             WorkerState(Cursor(-1), 0, policy.num_skipped),
         )
 
 
 def empty_batch(sides: list[TokenizerSide], spec: StreamSpec) -> Batch:
     """A batch of padding rows only: it adds nothing to any sum (see `HeldOut`)."""
-    args = (spec.batch_size, spec.seq_len, spec.pad_multiple, sides[0].lengths, sides[0].pad_id)
-    return collate([], *args, list(spec.slots), [s.pad_id for s in sides[1:]])
+    return collate([], spec.batch_size, spec.seq_len, spec.pad_multiple, sides, list(spec.slots))
+
+
+def _head_size(sides: list[TokenizerSide]) -> int:
+    """Start tokens the student side puts in front of a row that continues a document; none
+    unless every side has some (the two sides' start tokens form a chunk of their own)."""
+    return sides[0].start_ids.size if all(s.start_ids.size for s in sides) else 0
 
 
 def _units(

@@ -13,6 +13,7 @@ from typing import Literal
 
 import numpy as np
 
+from crossdistill.alignment.text_bytes import token_text_bytes
 from crossdistill.data.chat import render_layout
 from crossdistill.data.documents import Message
 from crossdistill.data.encoders import TokenizerSide
@@ -27,7 +28,8 @@ class UnitTeacher:
 
     ids: [n_t] int64; target: [n_t] bool, token may be a CE target; chunks: [C, 4] int64
     `(s0, s1, t0, t1)` unit-local; kd: [C] bool, chunk is content (may carry KD);
-    cuts: [K] int64 teacher index at each common cut point.
+    cuts: [K] int64 teacher index at each common cut point; text_bytes: [n_t] int64 bytes of
+    the document's text each token covers (0 for template tokens).
     """
 
     ids: np.ndarray
@@ -35,13 +37,16 @@ class UnitTeacher:
     chunks: np.ndarray
     kd: np.ndarray
     cuts: np.ndarray
+    text_bytes: np.ndarray
 
 
 @dataclass
 class Unit:
     """ids_s: [n_s] int64; target_s: [n_s] bool; template_s: [n_s] bool (template token);
     cuts_s: [K] int64 common cut points, ascending, from 0 to n_s; teachers: one per distinct
-    cross-tokenizer; first/last: this piece starts/ends its document."""
+    cross-tokenizer; first/last: this piece starts/ends its document; text_bytes_s: [n_s]
+    int64 bytes of the text each token covers (0 for template tokens; content tokens sum to
+    the UTF-8 bytes of the contents on every side, see `alignment.text_bytes`)."""
 
     ids_s: np.ndarray
     target_s: np.ndarray
@@ -51,6 +56,7 @@ class Unit:
     first: bool
     last: bool
     chat: bool
+    text_bytes_s: np.ndarray
 
 
 @dataclass
@@ -58,16 +64,19 @@ class _Part:
     ids: list[np.ndarray]  # per side: student first, then each cross teacher
     target: list[np.ndarray]
     content: bool
+    text: str = ""  # a content part's text
 
 
 def text_unit(
     text: str, sides: list[TokenizerSide], first: bool = True, last: bool = True
 ) -> Unit | Bad:
-    """A plain-text document piece: [BOS] text [doc end], per each tokenizer's conventions."""
+    """A plain-text document piece: [start] text [doc end], per each tokenizer's conventions
+    (`TokenizerSide.start_ids`: the BOS, or the document end where there is none)."""
     parts = []
     if first:
-        parts.append(_template_part([np.asarray(s.bos_ids, dtype=np.int64) for s in sides]))
-    parts.append(_content_part([s.encode_content(text) for s in sides], [True] * len(sides)))
+        parts.append(_template_part([s.start_ids for s in sides]))
+    content = [s.encode_content(text) for s in sides]
+    parts.append(_content_part(content, [True] * len(sides), text))
     if last:
         parts.append(_template_part([_doc_end(s) for s in sides]))
     return _assemble(parts, sides, first, last, chat=False)
@@ -97,8 +106,11 @@ def chat_unit(
         after_assistant = k > 0 and lay.assistant[k - 1]
         parts.append(_template_part(ids, everything, end_of_turn=after_assistant))
         if k < len(lay.contents):
-            content = [s.encode_content(lay.contents[k]) for s in sides]
-            parts.append(_content_part(content, [everything or lay.assistant[k]] * len(sides)))
+            text = lay.contents[k]
+            content = [s.encode_content(text) for s in sides]
+            parts.append(
+                _content_part(content, [everything or lay.assistant[k]] * len(sides), text)
+            )
     return _assemble(parts, sides, True, True, chat=True)
 
 
@@ -122,8 +134,20 @@ def _template_part(ids: list[np.ndarray], target: bool = True, end_of_turn: bool
     return _Part(ids, targets, content=False)
 
 
-def _content_part(ids: list[np.ndarray], target: list[bool]) -> _Part:
-    return _Part(ids, [np.full(i.size, t, dtype=bool) for i, t in zip(ids, target)], content=True)
+def _content_part(ids: list[np.ndarray], target: list[bool], text: str) -> _Part:
+    targets = [np.full(i.size, t, dtype=bool) for i, t in zip(ids, target)]
+    return _Part(ids, targets, content=True, text=text)
+
+
+def _text_bytes(parts: list[_Part], k: int, side: TokenizerSide) -> np.ndarray:
+    """[n] bytes of the text each of side `k`'s tokens covers, over all parts."""
+    out = []
+    for p in parts:
+        if p.content:
+            out.append(token_text_bytes(p.ids[k], side.token_bytes, p.text.encode()))
+        else:
+            out.append(np.zeros(p.ids[k].size, dtype=np.int64))
+    return np.concatenate(out)
 
 
 def _assemble(
@@ -158,7 +182,8 @@ def _assemble(
             return Bad("the document has no tokens")
         ids_t = np.concatenate([p.ids[k] for p in parts])
         target_t = np.concatenate([p.target[k] for p in parts])
-        teachers.append(UnitTeacher(ids_t, target_t, chunks, kd_k, cuts=_EMPTY))
+        bytes_t = _text_bytes(parts, k, sides[k])
+        teachers.append(UnitTeacher(ids_t, target_t, chunks, kd_k, _EMPTY, bytes_t))
         starts = np.zeros_like(common)
         starts[chunks[:, 0]] = True
         starts[-1] = True
@@ -167,7 +192,8 @@ def _assemble(
     for t in teachers:
         starts = np.append(t.chunks[:, 0], ids_s.size)
         t.cuts = np.append(t.chunks[:, 2], t.ids.size)[np.searchsorted(starts, cuts_s)]
-    return Unit(ids_s, target_s, template_s, cuts_s, teachers, first, last, chat)
+    bytes_s = _text_bytes(parts, 0, sides[0])
+    return Unit(ids_s, target_s, template_s, cuts_s, teachers, first, last, chat, bytes_s)
 
 
 def _merge_one_sided(chunks: np.ndarray, kd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

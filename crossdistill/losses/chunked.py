@@ -125,7 +125,9 @@ def part_step(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One bucket divergence on a chunk, from the logits at its buckets `z_sel [c, B]`, their
     `e` values, the row sums `s` and the tail mass `s_tail` (for parts with a tail): per-row
-    loss `[c]`, the row coefficient of `e` `[c]`, and corrections `[c, B]` to add at the ids."""
+    values `[c]` (not weighted: `weighted_sum` weighs them for the loss and for the reported
+    metric alike), the row coefficient of `e` `[c]`, and corrections `[c, B]` to add at the ids.
+    Rows of weight 0 get no gradient (a zero-weight term still reports its value)."""
     valid = None if part.valid is None else part.valid[sl]
     logp = z_sel / tau - lse_u.unsqueeze(1)
     if valid is not None:
@@ -155,7 +157,13 @@ def part_step(
     corr = torch.where(live.unsqueeze(1), g.unsqueeze(1) * corr, 0.0)
     if valid is not None:
         corr = torch.where(valid, corr, 0.0)
-    return torch.where(live, terms.sum(1), 0.0) * part.scale, torch.where(live, a, 0.0), corr
+    return terms.sum(1) * part.scale, torch.where(live, a, 0.0), corr
+
+
+def weighted_sum(rows: Tensor, weight: Tensor) -> Tensor:
+    """Σ rows · weight over the rows of nonzero weight: a row of weight 0 (no KD position)
+    adds exactly 0, whatever its value."""
+    return torch.where(weight != 0, rows * weight, 0.0).sum()
 
 
 def select(
@@ -222,8 +230,8 @@ def chunk_step(
                     width = e.shape[1] if shard is None else shard.total
                     s_tail = finish_tail(part, sl, ids, s_tail, width)
                 rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-                term_sums[ti] += (rows * term.report_weight[sl]).sum()
-                loss = loss + (rows * weight).sum()
+                term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
+                loss = loss + weighted_sum(rows, weight)
                 row_coef += a
                 fixes.append((ids, corr))
         if last:

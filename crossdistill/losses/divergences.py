@@ -104,6 +104,23 @@ def bucket_terms(
     raise ValueError(f"unknown bucket divergence {name!r}")
 
 
+def _kept(mask: Tensor | None, like: Tensor) -> Tensor | None:
+    """`mask` as bool rows broadcastable to `like` (`[M]` or `[M, ...]`), or None."""
+    if mask is None:
+        return None
+    keep = mask if mask.dtype == torch.bool else mask != 0
+    return keep.reshape(keep.shape + (1,) * (like.dim() - keep.dim()))
+
+
+def _masked_inputs(mask: Tensor | None, *xs: Tensor, fill: float = 0.0) -> list[Tensor]:
+    """The inputs with masked rows replaced by `fill` before any arithmetic, so that what a
+    masked row holds (inf, NaN) reaches neither the value nor the gradient: `where` after the
+    fact would zero the value but leak `0 · inf = NaN` into the gradient."""
+    if mask is None:
+        return list(xs)
+    return [torch.where(_kept(mask, x), x, fill) for x in xs]
+
+
 def masked_sum(rows: Tensor, mask: Tensor | None) -> Tensor:
     """Σ over rows of `rows [M]`, weighted by `mask [M]` (bool or float); masked rows give
     exactly 0 even if their value is not finite."""
@@ -115,6 +132,8 @@ def masked_sum(rows: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _bucket_loss(name: str, logq_t: Tensor, logp_s: Tensor, mask: Tensor | None, **kw) -> Tensor:
+    # masked rows become two equal (all-zero) rows: a divergence of 0 with a finite gradient
+    logq_t, logp_s = _masked_inputs(mask, logq_t, logp_s)
     terms, _ = bucket_terms(name, logq_t, logp_s, **kw)
     return masked_sum(terms.sum(-1), mask)
 
@@ -166,6 +185,9 @@ def uld(
     sorted in descending order (`logq_t [M, K_t]`, `logp_s [M, K_s]`, the shorter padded with
     zeros), plus `|q_tail − p_tail|` when tails `[M]` are given. Needs no vocabulary mapping."""
     width = max(logq_t.shape[-1], logp_s.shape[-1])
+    logq_t, logp_s = _masked_inputs(mask, logq_t, logp_s, fill=NEG_INF)
+    if logq_tail_t is not None and logp_tail_s is not None:
+        logq_tail_t, logp_tail_s = _masked_inputs(mask, logq_tail_t, logp_tail_s, fill=NEG_INF)
     lq, lp = _sorted_desc(logq_t, width), _sorted_desc(logp_s, width)
     if logq_tail_t is not None and logp_tail_s is not None:
         lq = torch.cat([lq, logq_tail_t.unsqueeze(-1)], dim=-1)
@@ -211,6 +233,7 @@ def chunk_likelihood(
     log-probs). With `p = exp(min(l/τ, log(1 − 1e-6)))` on both sides, the loss is
     `KL(Bern(p_t) ‖ Bern(p_s)) = p_t·(a − b) + (1 − p_t)·(log(1 − p_t) − log(1 − p_s))`, computed
     in log space; τ > 1 flattens both probabilities towards 1 and so softens the comparison."""
+    logl_t, logl_s = _masked_inputs(mask, logl_t, logl_s, fill=-1.0)  # equal, finite: 0
     a = (logl_t / temperature).clamp(max=MAX_CHUNK_LOGPROB)
     b = (logl_s / temperature).clamp(max=MAX_CHUNK_LOGPROB)
     terms = a.exp() * (a - b) + (-torch.expm1(a)) * (log1mexp(a) - log1mexp(b))

@@ -23,7 +23,7 @@ import functools
 import torch
 from torch import Tensor
 
-from crossdistill.losses.chunked import finish_tail, label_terms, part_step, select
+from crossdistill.losses.chunked import finish_tail, label_terms, part_step, select, weighted_sum
 from crossdistill.losses.plan import Plan
 
 NEG_INF = float("-inf")
@@ -348,8 +348,8 @@ def chunk_step_fused(
             if (ti, pi) in tails:
                 s_tail = finish_tail(part, sl, ids, tail_all[:, tails[ti, pi]], vocab)
             rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-            term_sums[ti] += (rows * term.report_weight[sl]).sum()
-            loss = loss + (rows * weight).sum()
+            term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
+            loss = loss + weighted_sum(rows, weight)
             coef[:, t] += a
             fixes.append((ids, corr))
     s1 = s_all[:, 0]

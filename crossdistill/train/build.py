@@ -94,7 +94,6 @@ def _padded(
 def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
     """Tokenizers, projections, models, optimizer and loaders for `cfg`; under `torchrun`
     (`env` of several processes) every model in its own layout, loaded sharded."""
-    from crossdistill.alignment import TokenBytes
 
     env = env or DistEnv()
     resolved_s, resolved_t = validate_config(cfg)
@@ -131,12 +130,9 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
         )
         student, models_t, fused = parallel_models(cfg, placement)
     slots = []
-    for i, (t, tok, proj) in enumerate(zip(cfg.teachers, toks_t, projections)):
+    for i, (t, proj) in enumerate(zip(cfg.teachers, projections)):
         model = _single_teacher(cfg, t, device) if models_t is None else models_t[i]
-        lengths = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
-        slots.append(
-            TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj, lengths.to(device))
-        )
+        slots.append(TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj))
     optimizer = build_optimizer(student, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     return Components(

@@ -53,7 +53,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
             add(whole, f"kdn/{slot.cfg.name}", kd_count(term, labels))
             if slot.cfg.name not in c.teacher_bpb:
                 add(whole, f"tnll/{slot.cfg.name}", next_token_nll(targets)[0])
-                add(whole, f"tbytes/{slot.cfg.name}", target_bytes(slot, tb.labels.to(dev)))
+                add(whole, f"tbytes/{slot.cfg.name}", target_bytes(tb, dev))
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             hidden, rows = place.student_hidden(c.student, batch.student)
         lm_head, vocab = place.lm_head(c.student)

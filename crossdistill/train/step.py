@@ -48,7 +48,6 @@ class TeacherSlot:
     teacher: Teacher
     cfg: TeacherConfig
     projection: VocabProjection
-    byte_lengths: Tensor  # [V_t] int64 UTF-8 bytes each teacher id covers (0 for specials)
 
 
 @dataclass
@@ -135,10 +134,10 @@ def run_teacher(slot: TeacherSlot, tb, chunk_size: int, device: torch.device) ->
     return targets_from_hidden(slot, tb, hidden, rows, chunk_size, device)
 
 
-def target_bytes(slot: TeacherSlot, labels_t: Tensor) -> Tensor:
-    """Σ bytes of the teacher's valid next tokens: the denominator of its bits per byte."""
-    valid = labels_t >= 0
-    return torch.where(valid, slot.byte_lengths[labels_t.clamp(min=0)], 0).sum()
+def target_bytes(tb, device: torch.device) -> Tensor:
+    """Σ bytes of the text the teacher's valid next tokens cover: the denominator of its bits
+    per byte, the same text bytes as the student's over the same text (see `TeacherBatch`)."""
+    return _to(tb.target_bytes, device).sum()
 
 
 def make_term(slot: TeacherSlot, tb, targets: TeacherTargets, device) -> KDTerm:
@@ -295,8 +294,7 @@ def train_step(
         for k in range(len(slots))
     ]
     teacher_bytes = [
-        sum(target_bytes(slots[k], _to(mb.teachers[k].labels, dev)) for mb in micro_batches)
-        for k in range(len(slots))
+        sum(target_bytes(mb.teachers[k], dev) for mb in micro_batches) for k in range(len(slots))
     ]
     stats = place.reduce_counts(
         torch.cat([counts, torch.stack(teacher_nll + teacher_bytes).to(torch.float64)])

@@ -64,7 +64,34 @@ def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
     names = [t.name for t in cfg.teachers]
     if len(set(names)) != len(names):
         raise UserError(f"teacher names must be distinct, got {names}; set teachers.N.name")
+    for i, (t, r) in enumerate(zip(cfg.teachers, teachers)):
+        _check_top_k(t, i, student.hf_config.vocab_size, r.hf_config.vocab_size)
     return student, teachers
+
+
+# Losses with a forward-KL part: the teacher's tail mass must have a student bucket to go to.
+_TAIL_NEEDS_ROOM = ("forward_kl", "gold")
+
+
+def _check_top_k(t: Any, i: int, vocab_s: int, vocab_t: int) -> None:
+    """Top-k settings the losses cannot use on these vocabularies (`vocab_*`: embedding rows).
+    `uld`/`gold` sort the teacher's top-k against the student's top-k, so k cannot exceed the
+    student's vocabulary. A forward KL is infinite once the projected top-k can cover every
+    student id while the teacher keeps mass outside its top-k (k < its vocabulary): that mass
+    would land on a student bucket of probability 0."""
+    where = f"teachers.{i}.top_k = {t.top_k}"
+    if t.loss in ("uld", "gold") and t.top_k > vocab_s:
+        raise UserError(
+            f"{where} exceeds the student's vocabulary of {vocab_s} ids; {t.loss} compares the "
+            f"teacher's top-k with the student's: use top_k <= {vocab_s}"
+        )
+    forward = t.loss in _TAIL_NEEDS_ROOM or (t.loss == "skew_kl" and t.alpha == 0)
+    if forward and vocab_s <= t.top_k < vocab_t:
+        raise UserError(
+            f"{where} can cover all {vocab_s} student ids while the teacher keeps probability "
+            f"outside its top-k (its vocabulary has {vocab_t}); {t.loss} would be infinite: use "
+            f"top_k < {vocab_s}"
+        )
 
 
 def check_vocab(resolved: ResolvedModel, tok) -> None:
@@ -113,6 +140,14 @@ def _check_scalars(cfg: Config) -> None:
             (teacher.top_k >= 1, f"teachers.{i}.top_k must be >= 1, got {teacher.top_k}"),
             (teacher.temperature > 0, f"teachers.{i}.temperature must be > 0"),
             (teacher.weight >= 0, f"teachers.{i}.weight must be >= 0"),
+            (
+                teacher.loss != "jsd" or 0.0 < teacher.beta < 1.0,
+                f"teachers.{i}.beta must be in (0, 1) for jsd, got {teacher.beta}",
+            ),
+            (
+                teacher.loss != "skew_kl" or 0.0 <= teacher.alpha < 1.0,
+                f"teachers.{i}.alpha must be in [0, 1) for skew_kl, got {teacher.alpha}",
+            ),
         ]
     if cfg.teachers and t.kd_ratio > 0 and sum(x.weight for x in cfg.teachers) <= 0:
         rules.append((False, "all teacher weights are 0 while train.kd_ratio > 0"))

@@ -119,17 +119,15 @@ def write_corpus(folder: Path) -> Path:
 
 @dataclass
 class Scenario:
-    """What every process needs besides the config: the global micro-batches, the vocabulary
-    projections (built once, seconds each) and each teacher's token byte lengths."""
+    """What every process needs besides the config: the global micro-batches and the
+    vocabulary projections (built once, seconds each)."""
 
     batches: list
     projections: dict[str, Any]
-    byte_lengths: dict[str, torch.Tensor]
 
 
 def prepare(cfg: Config, count: int, path: Path) -> Scenario:
     """Cut `count` micro-batches with the real data pipeline and save the scenario to `path`."""
-    from crossdistill.alignment import TokenBytes
     from crossdistill.data import build_loader
     from crossdistill.models import load_tokenizer
     from crossdistill.train.build import build_projection_for
@@ -141,14 +139,13 @@ def prepare(cfg: Config, count: int, path: Path) -> Scenario:
     loader = iter(build_loader(cfg.data, tok_s, toks_t, split="train"))
     batches = [_owned(next(loader)) for _ in range(count)]
     rows_s = res_s.hf_config.vocab_size
-    projections, lengths = {}, {}
+    projections = {}
     for t, tok, r in zip(cfg.teachers, toks_t, res_t):
         cpu = torch.device("cpu")
         projections[t.name] = build_projection_for(
             t, tok, tok_s, r.hf_config.vocab_size, rows_s, cpu
         )
-        lengths[t.name] = torch.as_tensor(TokenBytes.from_tokenizer(tok).lengths, dtype=torch.int64)
-    scenario = Scenario(batches, projections, lengths)
+    scenario = Scenario(batches, projections)
     torch.save(scenario, path)
     return scenario
 
@@ -224,7 +221,7 @@ def run_steps(cfg: Config, sc: Scenario, steps: int = STEPS) -> list[tuple[float
         ]
         data_rank, data_size = 0, 1
     slots = [
-        TeacherSlot(Teacher(model, t.name), t, sc.projections[t.name], sc.byte_lengths[t.name])
+        TeacherSlot(Teacher(model, t.name), t, sc.projections[t.name])
         for t, model in zip(cfg.teachers, models_t)
     ]
     settings = StepSettings(

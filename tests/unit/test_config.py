@@ -99,3 +99,54 @@ def test_every_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg.student.path or cfg.student.arch
     assert cfg.teachers, f"{path.name} names no teacher"
+
+
+def _loss_config(loss: str, top_k: int, vocab_s: int, vocab_t: int, **teacher):
+    from crossdistill.config import Config, from_dict
+
+    def model(vocab: int) -> dict:
+        return {"arch": "tiny-llama", "tokenizer": "t", "overrides": {"vocab_size": vocab}}
+
+    return from_dict(
+        Config,
+        {
+            "student": model(vocab_s),
+            "teachers": [{**model(vocab_t), "loss": loss, "top_k": top_k, **teacher}],
+            "data": {"train": ["x.jsonl"]},
+        },
+    )
+
+
+@pytest.mark.parametrize(
+    "loss,top_k,vocab_s,vocab_t,message",
+    [
+        ("uld", 65, 64, 500, "exceeds the student's vocabulary of 64 ids"),
+        ("gold", 100, 64, 500, "exceeds the student's vocabulary of 64 ids"),
+        ("forward_kl", 64, 64, 500, "can cover all 64 student ids"),
+        ("gold", 64, 64, 500, "can cover all 64 student ids"),
+        ("jsd", 64, 64, 500, None),  # bounded: the tail's mass needs no student bucket
+        ("forward_kl", 600, 64, 500, None),  # the whole teacher vocabulary: no tail mass
+        ("forward_kl", 63, 64, 500, None),
+        ("uld", 64, 64, 500, None),
+    ],
+)
+def test_top_k_the_loss_cannot_use_is_refused_at_load(loss, top_k, vocab_s, vocab_t, message):
+    from crossdistill.train.validate import validate_config
+
+    cfg = _loss_config(loss, top_k, vocab_s, vocab_t)
+    if message is None:
+        validate_config(cfg)
+        return
+    with pytest.raises(UserError, match=message):
+        validate_config(cfg)
+
+
+@pytest.mark.parametrize(
+    "loss,param,message",
+    [("jsd", {"beta": 1.0}, "beta must be in"), ("skew_kl", {"alpha": -0.1}, "alpha must be in")],
+)
+def test_loss_parameters_are_checked_at_load(loss, param, message):
+    from crossdistill.train.validate import validate_config
+
+    with pytest.raises(UserError, match=message):
+        validate_config(_loss_config(loss, 8, 64, 64, **param))

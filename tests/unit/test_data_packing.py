@@ -13,6 +13,7 @@ import torch
 from crossdistill.alignment import TokenBytes
 from crossdistill.config import DataConfig
 from crossdistill.data import block_causal_mask, build_loader
+from tests.conftest import TOKENIZER_NAMES
 from tests.unit.test_data_helpers import (
     UNICODE_TEXTS,
     check_same_decoded_text,
@@ -88,7 +89,8 @@ def test_llama2_student_with_gpt2_teacher(real_tokenizer, corpus):
         check_teacher(batch, 0, tb_s, tb_t, 16)
         check_same_text(batch, 0, tb_s, tb_t, nfc=False)
         # each tokenizer's own delimiters: a document inside a row starts with <s> (llama2,
-        # which adds it) right after </s>; gpt2 adds no BOS and ends with <|endoftext|>
+        # which adds it) right after </s>; gpt2 has no BOS: its documents end with
+        # <|endoftext|> and start with one too, so that their first token is predicted
         for b in range(2):
             ids_s, ids_t = batch.student.input_ids[b], batch.teachers[0].input_ids[b]
             segs_s = doc_segments(batch.student.doc_ids[b].numpy())
@@ -96,7 +98,7 @@ def test_llama2_student_with_gpt2_teacher(real_tokenizer, corpus):
             for (a_s, _), (a_t, _) in zip(segs_s[1:], segs_t[1:]):
                 assert ids_s[a_s] == tok_s.bos_token_id and ids_s[a_s - 1] == tok_s.eos_token_id
                 assert ids_t[a_t - 1] == tok_t.convert_tokens_to_ids("<|endoftext|>")
-                assert ids_t[a_t] != tok_t.convert_tokens_to_ids("<|endoftext|>")
+                assert ids_t[a_t] == tok_t.convert_tokens_to_ids("<|endoftext|>")
 
 
 def test_same_tokenizer_teacher_reuses_student_tensors(real_tokenizer, corpus):
@@ -227,3 +229,37 @@ def test_block_causal_mask_matches_plain_reference():
             for k in range(17):
                 assert bool(mask[b, 0, q, k]) == (k <= q and int(doc[b, q]) == int(doc[b, k]))
         assert mask[b, 0].any(dim=-1).all()  # no empty row: SDPA would give NaN
+
+
+@pytest.mark.parametrize("student", TOKENIZER_NAMES)
+def test_every_side_scores_every_byte_of_the_text(real_tokenizer, tmp_path, student):
+    """Bits per byte divide by the text's own UTF-8 bytes on every side: each tokenizer (with
+    or without a BOS, with a SentencePiece dummy prefix, with Unicode normalisation) predicts
+    every text token, also the first of a document and of a row that continues one, and the
+    bytes credited to its labels add up to the bytes of the documents' text. The student takes
+    the other seven tokenizers as teachers, so every ordered pair is covered."""
+    docs = [
+        "Hello world.",
+        "  two leading spaces, then tabs\t\tand a CRLF\r\n",
+        "naïve café, e\u0301 decomposed, \u1100\u1161\u11a8 jamo, ﬁ ligature, 数学 🙂",
+        "def f(x):\n    return {'a': [1, 2.5e-3]}  # comment\n" * 3,
+        "<s> literal </s> <|endoftext|> <think> text",
+        UNICODE_TEXTS[0],
+    ]
+    val = write_jsonl(tmp_path / "v.jsonl", docs)
+    cfg = DataConfig(
+        train=[str(val)], validation=[str(val)], seq_len=48, micro_batch_size=2,
+        pad_multiple=8, num_workers=0,
+    )  # fmt: skip
+    teachers = [real_tokenizer(n) for n in TOKENIZER_NAMES if n != student]
+    held_out = build_loader(cfg, real_tokenizer(student), teachers, split="validation")
+    batches = list(held_out)
+    text_bytes = sum(len(d.encode()) for d in docs)
+    assert sum(int(b.student.target_bytes.sum()) for b in batches) == text_bytes
+    assert sum(b.student.num_target_bytes for b in batches) == text_bytes
+    for k, name in enumerate(n for n in TOKENIZER_NAMES if n != student):
+        got = sum(int(b.teachers[k].target_bytes.sum()) for b in batches)
+        assert got == text_bytes, (student, name, got, text_bytes)
+    # documents were cut: more row segments than documents (the rest behind start tokens)
+    pieces = sum(len(doc_segments(row)) for b in batches for row in b.student.doc_ids.numpy())
+    assert pieces > len(docs)

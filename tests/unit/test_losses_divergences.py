@@ -214,3 +214,52 @@ def test_ce_matches_plain_float64():
     labels = torch.tensor([3, -100, 0, 10, -100, 7])
     want = sum(-logp[r, labels[r]].item() for r in range(6) if labels[r] >= 0)
     assert abs(ce(logp, labels).item() - want) <= 1e-12 * want
+
+
+POISON = [float("inf"), float("nan"), float("-inf")]
+
+
+@pytest.mark.parametrize("fn,plain,kw", CASES, ids=IDS)
+@pytest.mark.parametrize("poison", POISON, ids=["inf", "nan", "-inf"])
+@pytest.mark.parametrize("float_mask", [False, True], ids=["bool", "weights"])
+def test_masked_rows_with_non_finite_values_give_exactly_zero(fn, plain, kw, poison, float_mask):
+    """A masked row contributes exactly 0 to the value and the gradient, whatever it holds."""
+    gen = torch.Generator().manual_seed(7)
+    logq, logp = _buckets(gen, zero_teacher=False)  # finite on the kept rows for every loss
+    keep = torch.tensor([True, True, False, True, False, True])
+    bad_q, bad_p = logq.clone(), logp.clone()
+    bad_q[~keep] = poison
+    bad_p[2, 3] = poison
+    mask = keep.double() * 0.7 if float_mask else keep
+    lp_clean = logp.clone().requires_grad_(True)
+    lp_bad = bad_p.clone().requires_grad_(True)
+    want = fn(logq, lp_clean, mask, **kw)
+    got = fn(bad_q, lp_bad, mask, **kw)
+    (g_want,) = torch.autograd.grad(want, lp_clean)
+    (g_got,) = torch.autograd.grad(got, lp_bad)
+    assert torch.isfinite(got) and got.item() == pytest.approx(want.item(), rel=1e-12)
+    assert torch.isfinite(g_got).all()
+    assert torch.equal(g_got[~keep], torch.zeros_like(g_got[~keep]))
+    torch.testing.assert_close(g_got[keep], g_want[keep], rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("poison", POISON, ids=["inf", "nan", "-inf"])
+def test_masked_rows_of_uld_gold_and_chunk_likelihood_give_exactly_zero(poison):
+    gen = torch.Generator().manual_seed(8)
+    logq, logp = _buckets(gen, zero_teacher=False)
+    keep = torch.tensor([True, False, True, True, False, True])
+    bad_q = logq.clone()
+    bad_q[~keep] = poison
+    lp = logp.clone().requires_grad_(True)
+    for value in (
+        uld(bad_q, lp, keep),
+        gold(bad_q, lp, bad_q, lp, keep),
+        chunk_likelihood(bad_q[:, 0], lp[:, 0], keep),
+        chunk_likelihood(lp[:, 0], bad_q[:, 0], keep),
+    ):
+        (grad,) = torch.autograd.grad(value, lp)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+        assert torch.equal(grad[~keep], torch.zeros_like(grad[~keep]))
+    clean = logq.clone()
+    clean[~keep] = logp[~keep].detach()
+    assert uld(bad_q, logp, keep).item() == pytest.approx(uld(clean, logp, keep).item(), 1e-12)

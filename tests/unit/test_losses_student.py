@@ -372,3 +372,33 @@ def test_unit_upstream_skips_the_scaling_and_checks_it():
     loss, _ = student_loss(h, w, labels, terms, 0.6, ce_count(labels), 4, unit_upstream=True)
     with pytest.raises(RuntimeError):
         (2 * loss).backward()  # a scaled upstream gradient is caught, not silently ignored
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("zero", ["weight", "kd_ratio"])
+def test_a_zero_weight_term_still_reports_its_value(loss, zero):
+    """The logged `kd/<teacher>` is the term's true value when its weight (a teacher not chosen
+    under `teacher_mode: best`) or `kd_ratio` is 0; the term then adds nothing to the loss or
+    its gradient. Every backend agrees with the reference."""
+    hidden, weight, labels, (term,) = terms_for(loss, seed=4)
+    _, _, _, live = run("reference", hidden, weight, labels, [term])
+    kd_ratio = 0.0 if zero == "kd_ratio" else 0.6
+    if zero == "weight":
+        term.weight = torch.zeros((), dtype=F64)  # as `best` mode gives it: a 0-dim tensor
+    ce_only = run(
+        "reference", hidden, weight, labels, [], kd_ratio=1.0 if zero == "weight" else 0.0
+    )
+    for backend in ("chunked", "reference"):
+        got, got_h, got_w, metrics = run(backend, hidden, weight, labels, [term], kd_ratio)
+        assert metrics[f"kd/{loss}"].item() == pytest.approx(live[f"kd/{loss}"].item(), rel=1e-10)
+        assert metrics[f"kd/{loss}"] > 0
+        if zero == "kd_ratio":  # CE alone, exactly
+            assert abs(got.item() - ce_only[0].item()) <= 1e-12 * abs(ce_only[0].item())
+            assert rel(got_w, ce_only[2]) < 1e-12
+        else:  # kd_ratio 0.6 on a zero-weight term: 0.4 · CE
+            assert got.item() == pytest.approx(0.4 * ce_only[3]["ce"].item(), rel=1e-10)
+    # the fused pass (its PyTorch reference kernels on the CPU)
+    _, fused = student_loss(
+        hidden, weight, labels, [term], kd_ratio, ce_count(labels), 4, fused=True
+    )
+    assert fused[f"kd/{loss}"].item() == pytest.approx(live[f"kd/{loss}"].item(), rel=1e-10)
