@@ -144,6 +144,7 @@ def load_sharded(
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     meta = json.loads((folder / single.META_FILE).read_text(encoding="utf-8"))
+    single.check_same_student(meta["state"].get("student_config"), model, folder)
     state = _model_and_optim(model, optimizer)
     try:
         dcp.load(state, checkpoint_id=str(folder / DCP_DIR))
@@ -213,7 +214,10 @@ def export_hf_gathered(
             plain = AutoModelForCausalLM.from_config(config)
         plain.load_state_dict(state, strict=False, assign=True)
         plain.tie_weights()
-        out.mkdir(parents=True, exist_ok=True)
-        plain.save_pretrained(out, safe_serialization=True)
-        tokenizer.save_pretrained(out)
+
+        def write(folder: Path) -> None:
+            plain.save_pretrained(folder, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
+
+        single.write_folder(out, write, "the final Hugging Face folder")
     _barrier()

@@ -299,6 +299,28 @@ def _prune(root: Path, newest: int, keep_last: int) -> None:
         shutil.rmtree(root / _dir_name(s), ignore_errors=True)
 
 
+def write_folder(out: str | Path, write: Any, what: str) -> Path:
+    """Write a folder with `write(tmp)` into a temporary folder beside `out`, then rename it
+    into place (a previous `out` is replaced only once the new one is complete). A full disk
+    is one `UserError` naming `what`; nothing partial is left and a previous `out` stays."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{out.name}-", dir=out.parent))
+    try:
+        write(tmp)
+        _move_into_place(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(e):
+            raise UserError(
+                f"disk full ({str(e).splitlines()[0] if str(e) else e}) while writing {what} "
+                f"{out}; nothing partial was kept and the checkpoints are intact. Free space and "
+                f"run the same command with --resume: a finished run only writes {out.name}/ again"
+            ) from None
+        raise
+    return out
+
+
 # ----------------------------------------------------------------------------- loading
 
 
@@ -459,6 +481,51 @@ def _json_roundtrips(value: Any) -> bool:
         return json.loads(json.dumps(value, allow_nan=False)) == value
     except (TypeError, ValueError):
         return False
+
+
+# What decides the student's tensors; a resume with other values cannot load them.
+_SHAPE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings",
+    "moe_intermediate_size", "num_experts", "num_local_experts",
+)  # fmt: skip
+
+
+def student_shape(student) -> dict:
+    """The student's architecture settings that decide its tensors' shapes."""
+    config = student.config.to_dict()
+    return {k: config[k] for k in _SHAPE_KEYS if k in config}
+
+
+def check_same_student(saved: dict | None, student, folder, saved_sd: dict | None = None) -> None:
+    """Refuse a resume whose student is built differently from the checkpoint's, naming the
+    settings that differ (or, for a checkpoint without them, the first tensors), before any
+    tensor is loaded."""
+    now = student_shape(student)
+    if saved:
+        diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if diff:
+            detail = ", ".join(
+                f"{k}: {saved.get(k)!r} in the checkpoint, {now.get(k)!r} now" for k in diff
+            )
+            raise UserError(
+                f"cannot resume from {folder}: the student is built differently ({detail}); "
+                "resume with the student settings of the checkpointed run (student.arch / "
+                "student.path / student.overrides), or start a new run in another run.out_dir"
+            )
+    if saved_sd is not None:
+        mine = student.state_dict()
+        bad = [
+            f"{k} {tuple(v.shape)} in the checkpoint, {tuple(mine[k].shape)} now"
+            for k, v in saved_sd.items()
+            if k in mine and tuple(v.shape) != tuple(mine[k].shape)
+        ]
+        if bad:
+            raise UserError(
+                f"cannot resume from {folder}: the student's tensors differ in shape "
+                f"({'; '.join(bad[:3])}); resume with the student settings of the checkpointed "
+                "run, or start a new run in another run.out_dir"
+            )
 
 
 # ----------------------------------------------------------------------------- RNG

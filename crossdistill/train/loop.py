@@ -24,10 +24,13 @@ from crossdistill.train.build import Components, build_components
 from crossdistill.train.checkpoint import (
     BackgroundSaver,
     capture_rng_state,
+    check_same_student,
     check_writable,
     load_latest,
     restore_rng_state,
     save_checkpoint,
+    student_shape,
+    write_folder,
 )
 from crossdistill.train.evaluate import evaluate
 from crossdistill.train.metrics import MetricsLogger
@@ -101,6 +104,11 @@ def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
     final: dict[str, float] = {}
     skipped = 0
     with logger:
+        if cfg.train.kd_ratio > 0 and not c.slots:
+            logger.write(
+                f"warning: train.kd_ratio = {cfg.train.kd_ratio} but no teacher is configured: "
+                "training on cross-entropy alone (add teachers, or set train.kd_ratio=0)"
+            )
         batches = iter(c.train_loader)
         t_last, tokens = time.perf_counter(), 0
         for step in range(start_step, cfg.train.steps):
@@ -209,6 +217,7 @@ def _state(c: Components, cfg: Config, step: int) -> dict:
         "loader": c.train_loader.state_dict(),
         "rng": capture_rng_state(),
         "step": step,
+        "student_config": student_shape(c.student),
     }
 
 
@@ -230,6 +239,7 @@ def _save(
         "world_size": c.env.world_size,
         "data_size": p.data_size,
         "student_tp": p.student.layout.tp,
+        "student_config": student_shape(c.student),
     }
     sharded.save_sharded(
         run_dir,
@@ -247,6 +257,7 @@ def _restore(c: Components, latest) -> int:
     kind, found = latest
     if kind == "single":
         step, state = found
+        check_same_student(state.get("student_config"), c.student, f"step {step}", state["model"])
         c.student.load_state_dict(state["model"])
         c.optimizer.load_state_dict(state["optimizer"])
         c.scheduler.load_state_dict(state["scheduler"])
@@ -282,9 +293,12 @@ def export_hf(c: Components, out: Path) -> None:
 
         export_hf_gathered(c.student, c.tok_s, out, c.fused)
         return
-    out.mkdir(parents=True, exist_ok=True)
-    c.student.save_pretrained(out, safe_serialization=True)
-    c.tok_s.save_pretrained(out)
+
+    def write(folder: Path) -> None:
+        c.student.save_pretrained(folder, safe_serialization=True)
+        c.tok_s.save_pretrained(folder)
+
+    write_folder(out, write, "the final Hugging Face folder")
 
 
 def bits(nats: float) -> float:

@@ -238,3 +238,71 @@ def test_validation_metrics_do_not_depend_on_loader_workers(corpus, tmp_path, to
         results.append(evaluate(build_components(cfg), cfg))
     assert results[0]["val/bpb/student"] > 0 and results[0]["val/bpb/teacher"] > 0
     assert results[1] == results[0] and results[2] == results[0]
+
+
+def test_disk_full_during_the_final_export_is_one_line_and_resume_exports(
+    corpus, tmp_path, tokenizer_dir, monkeypatch
+):
+    """A full disk while `final/` is written (the tokenizers library's own error, as it reports
+    ENOSPC) is one clear error; nothing partial stays, the checkpoint is intact, and once space
+    is free the same command with --resume writes `final/`."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
+
+    cfg = _cfg(corpus, tmp_path / "run", tokenizer_dir, [], steps=2, kd_ratio=0.0)
+    real_save = PreTrainedTokenizerBase.save_pretrained
+
+    def full(self, *args, **kwargs):
+        raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", full)
+    with pytest.raises(UserError, match="disk full .* the final Hugging Face folder") as err:
+        train(cfg)
+    assert "--resume" in str(err.value)
+    run = tmp_path / "run"
+    assert not (run / "final").exists() and not list(run.glob(".tmp-*"))
+    assert load_latest(run)[0] == 2
+    monkeypatch.setattr(PreTrainedTokenizerBase, "save_pretrained", real_save)
+    train(cfg, resume=True)
+    assert AutoModelForCausalLM.from_pretrained(run / "final") is not None
+    assert (run / "final" / "tokenizer.json").is_file()
+
+
+def test_kd_ratio_without_teachers_says_so_at_start(corpus, tmp_path, tokenizer_dir, capsys):
+    cfg = _cfg(corpus, tmp_path / "run", tokenizer_dir, [], steps=1, kd_ratio=0.5)
+    train(cfg)
+    assert "no teacher is configured: training on cross-entropy alone" in capsys.readouterr().err
+
+
+def test_resume_with_another_student_shape_names_the_setting(corpus, tmp_path, tokenizer_dir):
+    cfg = _cfg(corpus, tmp_path / "run", tokenizer_dir, [], steps=2, kd_ratio=0.0)
+    train(cfg, stop_after=2)
+    wider = _cfg(corpus, tmp_path / "run", tokenizer_dir, [], steps=2, kd_ratio=0.0)
+    wider.student.overrides["hidden_size"] = 64
+    with pytest.raises(UserError, match="hidden_size: 32 in the checkpoint, 64 now"):
+        train(wider, resume=True)
+    # a checkpoint written without the settings: the first tensor that differs is named
+    from crossdistill.train import checkpoint as ck
+    from crossdistill.train.build import build_components
+
+    step, state = load_latest(tmp_path / "run")
+    with pytest.raises(
+        UserError, match=r"model.embed_tokens.weight \(50304, 32\) in the checkpoint"
+    ):
+        ck.check_same_student(None, build_components(wider).student, "old", state["model"])
+
+
+def test_resume_of_a_sharded_checkpoint_with_another_student_names_the_setting(tmp_path):
+    from crossdistill.distributed import checkpoint as sharded
+    from crossdistill.models import build_causal_lm
+    from crossdistill.train.checkpoint import student_shape
+
+    def model(width: int):
+        return build_causal_lm(arch="tiny-llama", overrides={"hidden_size": width}, seed=0)
+
+    saved = model(32)
+    opt = torch.optim.AdamW(saved.parameters())
+    meta = {"scheduler": {}, "data_size": 1, "student_config": student_shape(saved)}
+    folder = sharded.save_sharded(tmp_path, 3, saved, opt, meta, None, {}, keep_last=1)
+    other = model(64)
+    with pytest.raises(UserError, match="hidden_size: 32 in the checkpoint, 64 now"):
+        sharded.load_sharded(folder, other, torch.optim.AdamW(other.parameters()))
