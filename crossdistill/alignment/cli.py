@@ -1,22 +1,11 @@
-"""`crossdistill align` and `crossdistill projection build|inspect`."""
+"""`crossdistill projection build|inspect` (`crossdistill align` lives in `data/cli.py`: it
+tokenizes as the data pipeline does)."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
-
-ALIGN_EXAMPLES = """examples:
-  crossdistill align --student-tokenizer meta-llama/Llama-3.2-1B --teacher-tokenizer Qwen/Qwen3-4B \\
-      --text "def f(x):\\n    return x**2  # 数学"
-  crossdistill align --student-tokenizer ./tok/llama3 --teacher-tokenizer ./tok/qwen3 \\
-      --input corpus.jsonl --output aligned.jsonl --workers 8
-
-Each input line is {"text": ...}; each output line is
-{"student_ids": [...], "teacher_ids": [...], "chunks": [[s0, s1, t0, t1], ...]}:
-student tokens [s0, s1) and teacher tokens [t0, t1) cover the same bytes.
-"""
 
 PROJECTION_EXAMPLES = """examples:
   crossdistill projection build --student-tokenizer ./tok/llama3 --teacher-tokenizer ./tok/qwen3 \\
@@ -33,88 +22,6 @@ def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--teacher-tokenizer", required=True, metavar="T", help="local folder or Hugging Face id"
-    )
-
-
-def add_align_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "align",
-        help="tokenize text with two tokenizers and print or write their chunk alignment",
-        description="Align a student and a teacher tokenization of the same text into chunks "
-        "that cover the same bytes.",
-        epilog=ALIGN_EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_tokenizer_args(p)
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--text", help="one text: print its chunks side by side")
-    source.add_argument("--input", type=Path, metavar="F.jsonl", help='JSONL, {"text": ...}')
-    p.add_argument("--output", type=Path, metavar="O.jsonl", help="output JSONL (with --input)")
-    p.add_argument(
-        "--workers", type=int, default=0, help="processes for --input (default: all cores)"
-    )
-    p.add_argument(
-        "--no-special-tokens",
-        action="store_true",
-        help="do not let the tokenizers add BOS/EOS (default: add them, as tok(text) does)",
-    )
-    p.set_defaults(func=run_align)
-
-
-def run_align(args: argparse.Namespace) -> int:
-    from crossdistill.alignment.jsonl import Pipeline, process_file
-    from crossdistill.errors import UserError
-
-    if args.input is not None and args.output is None:
-        raise UserError("--input needs --output (the JSONL file to write)")
-    if args.text is not None and args.output is not None:
-        raise UserError("--output goes with --input; --text prints to the terminal")
-    if args.workers < 0:
-        raise UserError("--workers must be 0 (all cores) or a positive number")
-    pipeline = Pipeline.load(
-        args.student_tokenizer, args.teacher_tokenizer, not args.no_special_tokens
-    )
-    if args.text is not None:
-        _print_alignment(pipeline, args.text)
-        return 0
-    result = process_file(pipeline, args.input, args.output, workers=args.workers)
-    print(
-        f"aligned {result['lines']} texts in {result['seconds']:.2f} s "
-        f"with {result['workers']} workers -> {args.output}",
-        file=sys.stderr,
-    )
-    return 0
-
-
-_VISIBLE = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
-
-
-def _show(table, token_id: int) -> str:
-    if table.special[token_id]:
-        return table.special_text.get(token_id, f"<special {token_id}>")
-    text = table.token_bytes(token_id).decode("utf-8", errors="backslashreplace")
-    return text.translate(_VISIBLE)
-
-
-def _print_alignment(pipeline, text: str) -> None:
-    from crossdistill.alignment.chunks import align
-
-    (ids_s,), (ids_t,) = pipeline.encode([text])
-    result = align(ids_s, ids_t, pipeline.bytes_s, pipeline.bytes_t)
-    rows = []
-    for (s0, s1, t0, t1), exact in zip(result.chunks.tolist(), result.exact.tolist()):
-        left = " ".join(f"[{_show(pipeline.bytes_s, i)}]" for i in ids_s[s0:s1])
-        right = " ".join(f"[{_show(pipeline.bytes_t, i)}]" for i in ids_t[t0:t1])
-        rows.append((f"{s0}:{s1}", f"{t0}:{t1}", left, right, "" if exact else "  ~"))
-    width = max([len(r[2]) for r in rows] + [len("student")])
-    print(f"{'student':>9} {'teacher':>9}  {'student tokens':<{width}}  teacher tokens")
-    for s_span, t_span, left, right, mark in rows:
-        print(f"{s_span:>9} {t_span:>9}  {left:<{width}}  {right}{mark}")
-    one_to_one = sum(1 for s0, s1, t0, t1 in result.chunks.tolist() if s1 - s0 == t1 - t0 == 1)
-    print(
-        f"\n{len(ids_s)} student tokens, {len(ids_t)} teacher tokens, {result.num_chunks} chunks "
-        f"({one_to_one} one-to-one), {result.num_fallback} positions by the DP fallback"
-        + ("; ~ marks chunks equal only up to normalisation" if not result.exact.all() else "")
     )
 
 

@@ -149,15 +149,20 @@ class TokenBytes:
 
     @classmethod
     def from_tokenizer(cls, tok) -> TokenBytes:
-        """Build (or fetch from a per-fingerprint cache) the byte table of a fast tokenizer."""
-        from crossdistill.models import tokenizer_fingerprint
+        """The byte table of a fast tokenizer: from this process's cache, else from the disk
+        cache (`crossdistill.cache`, keyed by the tokenizer's fingerprint), else built (a
+        second or so for a 150k vocabulary) and written there."""
+        from crossdistill.models.tokenizers import tokenizer_fingerprint
 
         fingerprint = tokenizer_fingerprint(tok)
         with _CACHE_LOCK:
             cached = _CACHE.get(fingerprint)
         if cached is not None:
             return cached
-        table = _build(tok, fingerprint)
+        table = _load_cached(fingerprint)
+        if table is None:
+            table = _build(tok, fingerprint)
+            _save_cached(table)
         with _CACHE_LOCK:
             _CACHE[fingerprint] = table
         return table
@@ -165,6 +170,60 @@ class TokenBytes:
 
 _CACHE: dict[str, TokenBytes] = {}
 _CACHE_LOCK = threading.Lock()
+_ARRAYS = ("lengths", "offsets", "flat", "special", "byte_piece")
+_DISK_FORMAT = 1
+
+
+def _disk_path(fingerprint: str):
+    from crossdistill.cache import cache_path
+
+    return cache_path("token-bytes", f"{fingerprint[:40]}.npz")
+
+
+def _load_cached(fingerprint: str) -> TokenBytes | None:
+    """The table saved for `fingerprint`, or None (absent, or unreadable: then it is rebuilt)."""
+    path = _disk_path(fingerprint)
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            meta = json.loads(bytes(data["meta"]).decode())
+            if meta["format"] != _DISK_FORMAT or meta["fingerprint"] != fingerprint:
+                return None
+            arrays = {name: data[name] for name in _ARRAYS}
+        special_text = {int(k): v for k, v in meta["special_text"].items()}
+        table = TokenBytes(
+            **arrays,
+            prefix_space=meta["prefix_space"],
+            kind=meta["kind"],
+            fingerprint=fingerprint,
+            special_text=special_text,
+        )
+        n = table.lengths.shape[0]
+        if table.offsets.shape[0] != n + 1 or int(table.offsets[-1]) != table.flat.shape[0]:
+            return None
+        return table
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _save_cached(table: TokenBytes) -> None:
+    from crossdistill.cache import write_atomic
+
+    meta = {
+        "format": _DISK_FORMAT,
+        "fingerprint": table.fingerprint,
+        "prefix_space": table.prefix_space,
+        "kind": table.kind,
+        "special_text": {str(k): v for k, v in table.special_text.items()},
+    }
+    arrays = {name: getattr(table, name) for name in _ARRAYS}
+
+    def write(tmp) -> None:
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
+
+    write_atomic(_disk_path(table.fingerprint), write)
 
 
 def _component_types(state: dict | None) -> list[dict]:

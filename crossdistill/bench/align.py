@@ -103,7 +103,7 @@ def machine() -> dict:
     import numpy
     import tokenizers
 
-    from crossdistill.alignment.jsonl import available_cores
+    from crossdistill.data.aligned import available_cores
 
     return {
         "cpu": cpu,
@@ -229,8 +229,8 @@ def _time_alignment(docs, bytes_s, bytes_t, passes: int = 7, min_seconds: float 
 def bench_jsonl(root: Path, student: str = "llama3", teacher: str = "qwen3") -> dict:
     """Tokenize only, tokenize + align, and the full command (JSON written), on one file of
     standard-library sources (a line per module, split into 16k-character pieces)."""
-    from crossdistill.alignment.jsonl import Pipeline, process_file
     from crossdistill.alignment.sample_text import stdlib_sources
+    from crossdistill.data.aligned import Pipeline, process_file
 
     pipeline = Pipeline.load(str(root / student / "hf"), str(root / teacher / "hf"))
     with tempfile.TemporaryDirectory() as tmp:

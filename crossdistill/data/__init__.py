@@ -1,27 +1,33 @@
-"""Datasets, packing on common boundaries, chat data, collator, resumable loader.
+"""Datasets, packing on common boundaries, collator, resumable loader.
 
 `build_loader(data_cfg, tok_s, toks_t, split)` is the entry point; it returns a `DistillLoader`
-of `Batch`es (see `batch.py` for shapes) with `state_dict()` / `load_state_dict()`.
+of `Batch`es (see `batch.py` for shapes) with `state_dict()` / `load_state_dict()`, or for the
+validation split a `HeldOut`. Names are imported on first use: the tokenizer side
+(`TokenizerSide`) and the sources need no torch, the batches do.
 """
 
-from crossdistill.data.batch import Batch, StudentBatch, TeacherBatch, block_causal_mask
-from crossdistill.data.build import build_loader
-from crossdistill.data.documents import BadInputPolicy, Message, check_document
-from crossdistill.data.encoders import TokenizerSide
-from crossdistill.data.loader import DistillLoader
-from crossdistill.data.sources import detect_format, open_source
+import importlib
 
-__all__ = [
-    "BadInputPolicy",
-    "Batch",
-    "DistillLoader",
-    "Message",
-    "StudentBatch",
-    "TeacherBatch",
-    "TokenizerSide",
-    "block_causal_mask",
-    "build_loader",
-    "check_document",
-    "detect_format",
-    "open_source",
-]
+_WHERE = {
+    "Batch": "batch",
+    "StudentBatch": "batch",
+    "TeacherBatch": "batch",
+    "block_causal_mask": "batch",
+    "build_loader": "build",
+    "BadInputPolicy": "documents",
+    "Message": "documents",
+    "check_document": "documents",
+    "TokenizerSide": "encoders",
+    "DistillLoader": "loader",
+    "HeldOut": "loader",
+    "detect_format": "sources",
+    "open_source": "sources",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"crossdistill.data.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

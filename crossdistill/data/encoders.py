@@ -25,7 +25,12 @@ from typing import Any
 
 import numpy as np
 
-from crossdistill.data.fast_tokenize import as_int64, build_fast_encoder, content_backend
+from crossdistill.data.fast_tokenize import (
+    added_pattern,
+    as_int64,
+    build_fast_encoder,
+    content_backend,
+)
 from crossdistill.errors import UserError
 
 _DOC_END_NAMES = ("<|endoftext|>", "<|end_of_text|>")
@@ -55,6 +60,7 @@ class TokenizerSide:
         backend = tok.backend_tokenizer
         self._backend = backend
         self._fast = _fast_encoder(self.fingerprint, backend) if fast else None
+        self._added = added_pattern(backend)
         self.bos_ids, suffix = _added_ids(backend)
         self.doc_end_id = suffix[-1] if suffix else _doc_end_id(tok, backend)
         # in front of every document and of every row that continues one: the BOS, or for a
@@ -85,8 +91,21 @@ class TokenizerSide:
         (see the module doc)."""
         if self._fast is not None:
             return as_int64(self._fast(text))
+        if not self._has_added(text):  # no added token can match: the plain backend is exact
+            return as_int64(self._backend.encode(text, add_special_tokens=False).ids)
         content = _content_backend(self.fingerprint, self._backend)
         return as_int64(content.encode(text, add_special_tokens=False).ids)
+
+    def _has_added(self, text: str) -> bool:
+        """Whether `text` (or its normalised form, which added tokens may match) holds an
+        added token's string."""
+        if self._added is None:
+            return False
+        normalizer = self._backend.normalizer
+        return bool(
+            self._added.search(text)
+            or (normalizer is not None and self._added.search(normalizer.normalize_str(text)))
+        )
 
     def encode_template(self, text: str) -> np.ndarray:
         """[n] int64 ids of chat-template text (special tokens parsed)."""

@@ -12,6 +12,7 @@ knows no added tokens: every character of a document is text.
 from __future__ import annotations
 
 import json
+import re
 import unicodedata
 from collections.abc import Callable
 from typing import Any
@@ -129,6 +130,14 @@ def content_backend(backend: Any) -> Any:
     spec["added_tokens"] = []
     spec["post_processor"] = None
     return type(backend).from_str(json.dumps(spec))
+
+
+def added_pattern(backend: Any) -> re.Pattern[str] | None:
+    """A regex finding any added token's string (special or not), or None when there is none."""
+    contents = [t.content for t in backend.get_added_tokens_decoder().values() if t.content]
+    if not contents:
+        return None
+    return re.compile("|".join(re.escape(c) for c in sorted(contents, key=len, reverse=True)))
 
 
 def as_int64(ids: list[int]) -> np.ndarray:

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from crossdistill.cache import cache_path, write_atomic
 from crossdistill.errors import UserError
 
 FORMATS = ("text", "jsonl", "parquet", "arrow", "hf_disk")
@@ -198,22 +199,21 @@ def jsonl_index(path: str) -> np.ndarray:
     file (`$CROSSDISTILL_CACHE`, default `~/.cache/crossdistill`) keyed by path, size and mtime."""
     st = os.stat(path)
     key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode())
-    cache_dir = Path(os.environ.get("CROSSDISTILL_CACHE", Path.home() / ".cache" / "crossdistill"))
-    cached = cache_dir / "jsonl-index" / f"{key.hexdigest()[:32]}.npy"
+    cached = cache_path("jsonl-index", f"{key.hexdigest()[:32]}.npy")
     if cached.is_file():
         try:
             return np.load(cached, mmap_mode="r")
         except (OSError, ValueError):
             pass  # a torn write; rebuild below
     offsets = _scan_line_starts(path, st.st_size)
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, offsets)
-        os.replace(tmp, cached)
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, offsets)
+
+    if write_atomic(cached, write):
         return np.load(cached, mmap_mode="r")
-    except OSError:
-        return offsets  # read-only home: keep the index in memory
+    return offsets  # read-only home: keep the index in memory
 
 
 def _scan_line_starts(path: str, size: int) -> np.ndarray:

@@ -10,8 +10,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from crossdistill.errors import UserError
 
@@ -147,3 +150,78 @@ def tokenizer_fingerprint(tok) -> str:
     with contextlib.suppress(AttributeError):
         tok._crossdistill_fingerprint = digest
     return digest
+
+
+@dataclass
+class TextTokenizer:
+    """What tokenizing plain text needs, without `transformers`: the Rust backend (the very one
+    `load_tokenizer` builds) and a few ids. `crossdistill.data.TokenizerSide` takes it where it
+    takes a Hugging Face tokenizer, for text (chat templates need the full tokenizer)."""
+
+    backend_tokenizer: Any
+    name_or_path: str
+    pad_token_id: int | None
+    eos_token_id: int | None
+    _crossdistill_fingerprint: str
+    chat_template: str | None = None
+
+
+_TEXT_FORMAT = 1
+
+
+def load_text_tokenizer(spec: str | Path) -> TextTokenizer:
+    """The `TextTokenizer` of `spec` (as `load_tokenizer` takes it). A local tokenizer is read
+    from the disk cache (`crossdistill.cache`), keyed by its files' names, sizes and
+    modification times: one JSON read instead of `transformers`' loading and conversion; the
+    first load writes that entry."""
+    from tokenizers import Tokenizer
+
+    from crossdistill.cache import cache_path, write_atomic
+
+    key = _files_key(spec)
+    meta = cache_path("tokenizers", f"{key}.meta.json") if key else None
+    saved = cache_path("tokenizers", f"{key}.tokenizer.json") if key else None
+    if meta is not None and meta.is_file():
+        try:
+            entry = json.loads(meta.read_text(encoding="utf-8"))
+            if entry["format"] == _TEXT_FORMAT:
+                backend = Tokenizer.from_file(str(saved))
+                return TextTokenizer(
+                    backend, entry["name"], entry["pad"], entry["eos"], entry["fingerprint"]
+                )
+        except Exception:  # unreadable or from another version: rebuilt below
+            pass
+    tok = load_tokenizer(spec)
+    text = TextTokenizer(
+        tok.backend_tokenizer,
+        str(getattr(tok, "name_or_path", "") or spec),
+        tok.pad_token_id,
+        tok.eos_token_id,
+        tokenizer_fingerprint(tok),
+    )
+    if meta is not None:
+        entry = {
+            "format": _TEXT_FORMAT,
+            "name": text.name_or_path,
+            "pad": text.pad_token_id,
+            "eos": text.eos_token_id,
+            "fingerprint": text._crossdistill_fingerprint,
+        }
+        # the tokenizer first, its meta last: an entry with meta has both
+        if write_atomic(saved, lambda tmp: tok.backend_tokenizer.save(str(tmp))):
+            write_atomic(meta, lambda tmp: tmp.write_text(json.dumps(entry), encoding="utf-8"))
+    return text
+
+
+def _files_key(spec: str | Path) -> str | None:
+    """A key for a local tokenizer (file or folder) from its files' names, sizes and times;
+    None for a hub id."""
+    path = Path(str(spec)).expanduser()
+    if not path.exists():
+        return None
+    files = sorted(p for p in ([path] if path.is_file() else path.iterdir()) if p.is_file())
+    parts = [str(path.resolve())]
+    for p in files:
+        st = p.stat()
+        parts.append(f"{p.name}|{st.st_size}|{st.st_mtime_ns}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:40]

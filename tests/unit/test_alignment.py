@@ -448,8 +448,8 @@ def test_literal_special_token_strings(real_tokenizer):
 
 
 def test_align_command_text_and_jsonl(tokenizer_dir, tmp_path, capsys):
-    from crossdistill.alignment.jsonl import Pipeline
     from crossdistill.cli import main
+    from crossdistill.data.aligned import Pipeline
 
     student, teacher = str(tokenizer_dir("gpt2")), str(tokenizer_dir("llama2"))
     args = ["align", "--student-tokenizer", student, "--teacher-tokenizer", teacher]
@@ -465,10 +465,13 @@ def test_align_command_text_and_jsonl(tokenizer_dir, tmp_path, capsys):
     rows = [json.loads(line) for line in target.read_text().splitlines()]
     pipeline = Pipeline.load(student, teacher)
     assert len(rows) == len(texts)
-    for text, row in zip(texts, rows):
-        tok_s, tok_t = pipeline.tok_s, pipeline.tok_t
-        assert row["student_ids"] == tok_s(text)["input_ids"]
-        assert row["teacher_ids"] == tok_t(text)["input_ids"]
+    for text, row in zip(texts, rows):  # as training encodes a document
+        for side, ids in (
+            (pipeline.side_s, row["student_ids"]),
+            (pipeline.side_t, row["teacher_ids"]),
+        ):
+            content = side.encode_content(text).tolist()
+            assert ids == side.start_ids.tolist() + content + [side.doc_end_id]
         expected = align(row["student_ids"], row["teacher_ids"], pipeline.bytes_s, pipeline.bytes_t)
         assert row["chunks"] == expected.chunks.tolist()
 
@@ -483,8 +486,79 @@ def test_align_command_reports_bad_lines(tokenizer_dir, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert main([*args, "--input", str(bad), "--output", str(out), "--workers", "1"]) == 2
     err = capsys.readouterr().err
-    assert "bad.jsonl:3: not valid UTF-8" in err and not out.exists()
+    assert "bad.jsonl:3: non-UTF-8 bytes" in err and not out.exists()
     bad.write_text('{"text": "fine"}\n{"txt": "x"}\n')
     assert main([*args, "--input", str(bad), "--output", str(out)]) == 2
-    assert 'bad.jsonl:2: expected an object with a string "text"' in capsys.readouterr().err
+    assert "bad.jsonl:2: missing field 'text'" in capsys.readouterr().err
     assert main([*args, "--input", str(tmp_path / "missing.jsonl"), "--output", str(out)]) == 2
+
+
+def test_align_command_reads_every_training_format_and_keeps_literals_as_text(
+    tokenizer_dir, tmp_path
+):
+    """Plain text files, a folder of them and Parquet as well as JSONL; and a literal `<s>` in
+    a document is text, as in training (Llama-2 would read it as its BOS otherwise)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from crossdistill.cli import main
+    from crossdistill.data.aligned import Pipeline
+
+    student, teacher = str(tokenizer_dir("llama2")), str(tokenizer_dir("qwen3"))
+    texts = ["<s> is text </s> <think>here</think>", "naïve café 数学\n  indented"]
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i, t in enumerate(texts):
+        (folder / f"{i}.txt").write_text(t, encoding="utf-8")
+    pq.write_table(pa.table({"body": texts}), tmp_path / "docs.parquet")
+    args = ["align", "--student-tokenizer", student, "--teacher-tokenizer", teacher]
+    runs = {
+        "folder": ["--input", str(folder), "--format", "text"],
+        "parquet": ["--input", str(tmp_path / "docs.parquet"), "--field", "body"],
+    }
+    pipeline = Pipeline.load(student, teacher)
+    bos = pipeline.side_s.start_ids.tolist()
+    for name, extra in runs.items():
+        out = tmp_path / f"{name}.jsonl"
+        assert main([*args, *extra, "--output", str(out), "--workers", "1"]) == 0
+        rows = [json.loads(line) for line in out.read_text().splitlines()]
+        assert len(rows) == 2
+        for text, row in zip(texts, rows):
+            assert row["student_ids"][: len(bos)] == bos and bos[0] not in row["student_ids"][1:]
+            assert pipeline.bytes_s.decode(row["student_ids"]).decode() == " " + text
+            assert pipeline.bytes_t.decode(row["teacher_ids"]).decode() == text
+
+
+def test_warm_start_reads_the_caches_and_a_damaged_entry_is_rebuilt(tokenizer_dir, tmp_path):
+    """A second start reads the converted tokenizer and its byte table from the disk cache
+    (no torch, no transformers imported); a damaged cache entry is rebuilt, never trusted."""
+    import os
+    import subprocess
+    import sys
+
+    from crossdistill.cache import cache_path
+
+    env = {**os.environ, "CROSSDISTILL_CACHE": str(tmp_path / "cache")}
+    code = (
+        "import sys, json\n"
+        "from crossdistill.data.aligned import Pipeline\n"
+        f"p = Pipeline.load({str(tokenizer_dir('llama3'))!r}, {str(tokenizer_dir('qwen3'))!r}, fast=False)\n"
+        "ids = p.encode(['x <|im_start|> y'])\n"
+        "print(json.dumps([ids, 'torch' in sys.modules, 'transformers' in sys.modules]))\n"
+    )
+
+    def run():
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold = run()
+    warm = run()
+    assert warm[0] == cold[0] and warm[1:] == [False, False]
+    for entry in (cache_path("tokenizers", "x").parent, cache_path("token-bytes", "x").parent):
+        entry = tmp_path / "cache" / entry.name
+        files = sorted(entry.iterdir())
+        assert files
+        for f in files:
+            f.write_bytes(b"damaged")
+    assert run()[0] == cold[0]

@@ -26,7 +26,7 @@ def test_speed_timing_on_a_few_documents(real_tokenizer):
 
 
 def test_jsonl_stage_timing(tokenizer_dir, tmp_path):
-    from crossdistill.alignment.jsonl import Pipeline, process_file
+    from crossdistill.data.aligned import Pipeline, process_file
 
     pipeline = Pipeline.load(str(tokenizer_dir("gpt2")), str(tokenizer_dir("llama2")))
     source = tmp_path / "in.jsonl"

@@ -95,7 +95,7 @@ def test_literal_special_token_strings_are_text_on_every_side(real_tokenizer, na
         mine = unit.ids_s if sides[0].tok is tok else unit.teachers[0].ids
         side = sides[0] if sides[0].tok is tok else sides[1]
         added = set(tok.backend_tokenizer.get_added_tokens_decoder())
-        start = len(side.bos_ids)
+        start = side.start_ids.size
         content = mine[start : mine.size - (side.doc_end_id is not None)].tolist()
         assert not added & set(content), sorted(added & set(content))[:5]
         assert tok.decode(content) == text
