@@ -49,8 +49,8 @@ def chunk_likelihood_coefs(
     loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
     sums = torch.zeros(len(plan.terms), dtype=logp_label.dtype, device=logp_label.device)
     for i, term in enumerate(plan.terms):
-        if term.loss != "chunk_likelihood":
-            continue
+        if term.loss != "chunk_likelihood" or term.chunks.shape[0] == 0:
+            continue  # no chunk (a batch of padding): nothing to add
         logl_s = chunk_logl_s(logp_label, term.chunks).requires_grad_(True)
         with torch.enable_grad():
             value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)

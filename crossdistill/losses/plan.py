@@ -316,6 +316,8 @@ def build_plan(
 def student_rows_of_chunks(chunks: Tensor, valid: Tensor, num_rows: int) -> Tensor:
     """`[N]` index of the valid chunk whose student tokens each row predicts (rows
     `[s0 − 1, s1 − 1)`), −1 for none. Needs `chunks` in order, as the alignment gives them."""
+    if chunks.shape[0] == 0:  # a batch of padding only
+        return torch.full((num_rows,), -1, dtype=torch.long, device=chunks.device)
     start, end = chunks[:, 0] - 1, chunks[:, 1] - 1
     start = torch.where(valid, start, end)  # invalid chunks become empty spans, keeping order
     row = torch.arange(num_rows, device=chunks.device)

@@ -232,12 +232,26 @@ def two_rank_worker(rank: int, cfg, paths: dict[str, str], out: str) -> None:
     results["layouts"] = {c.name: run_steps(with_layouts(cfg, c), sc) for c in TWO_RANKS}
     results["loading"] = sharded_loading_errors({"phi3": paths["phi3"], "qwen3": paths["qwen3"]})
     fsdp = TWO_RANKS[1]
+    results["validation"] = held_out_metrics(with_layouts(copy.deepcopy(cfg), fsdp))
     for run, stop in (("full", None), ("part", 2)):
         c = with_layouts(copy.deepcopy(cfg), fsdp)
         c.run.out_dir = paths[run]
         train(c, stop_after=stop)
     if rank == 0:
         torch.save(results, out)
+
+
+def held_out_metrics(cfg) -> dict[str, float]:
+    """`evaluate` on the untrained models of `cfg` (every layout starts from the same weights):
+    3 validation batches, so one of two data-parallel ranks evaluates a batch of padding."""
+    from crossdistill.train.build import build_components
+    from crossdistill.train.evaluate import evaluate
+
+    cfg.train.eval_batches = 3
+    torch.manual_seed(cfg.train.seed)
+    from crossdistill.distributed.layout import init_distributed
+
+    return evaluate(build_components(cfg, init_distributed("cpu")), cfg)
 
 
 def resharded_state(cfg, folder: Path) -> dict[str, torch.Tensor]:

@@ -125,6 +125,19 @@ def test_sharded_loading_reads_each_rank_its_half(two):
             assert 0.45 <= loading[f"{key}/share"] <= 0.6, (key, loading[f"{key}/share"])
 
 
+def test_validation_of_two_data_parallel_ranks_equals_one_process(setup, two):
+    """The same held-out numbers with the student and teachers sharded over 2 ranks, each rank
+    evaluating its share of the validation batches, as in one process."""
+    import copy
+
+    root, cfg, paths, _ = setup
+    one = w.held_out_metrics(copy.deepcopy(cfg))
+    got = two["validation"]
+    assert sorted(got) == sorted(one) and "val/bpb/student" in one
+    for key, value in one.items():
+        assert abs(got[key] - value) <= REL * abs(value), (key, got[key], value)
+
+
 def _losses(run) -> dict[int, float]:
     lines = (run / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}

@@ -402,3 +402,32 @@ def test_a_zero_weight_term_still_reports_its_value(loss, zero):
         hidden, weight, labels, [term], kd_ratio, ce_count(labels), 4, fused=True
     )
     assert fused[f"kd/{loss}"].item() == pytest.approx(live[f"kd/{loss}"].item(), rel=1e-10)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_batch_of_padding_only_gives_zero_and_no_error(loss):
+    """Validation pads the ranks short of a batch with an all-padding one: every loss takes it
+    (no labels, no chunks) and gives exactly 0."""
+    hidden, weight, labels, (term,) = terms_for(loss, seed=5)
+    labels = torch.full_like(labels, -100)
+    term.chunks, term.chunk_mask = term.chunks[:0], None
+    term.targets = term.targets.__class__(
+        **{
+            f: (
+                getattr(term.targets, f)[:0]
+                if f.startswith(("topk", "tail"))
+                else getattr(term.targets, f)
+            )
+            for f in (
+                "topk_ids",
+                "topk_logprobs",
+                "tail_logprob",
+                "next_logprobs",
+                "next_valid",
+                "temperature",
+            )
+        }
+    )
+    for backend in ("chunked", "reference"):
+        got, _, _, metrics = run(backend, hidden, weight, labels, [term], ce_den=torch.ones(()))
+        assert got.item() == 0.0 and metrics[f"kd/{loss}"].item() == 0.0
