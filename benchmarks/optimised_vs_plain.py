@@ -45,7 +45,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def _run(args, batches: list, optimised: bool) -> dict[str, list[float]]:
     from crossdistill.bench.step_setup import build_bench
     from crossdistill.distributed.parallelize import apply_compile
-    from crossdistill.losses import fused
+    from crossdistill.losses import kernels as fused
     from crossdistill.models.attention import set_attention
     from crossdistill.train.step import train_step
 

@@ -1,6 +1,6 @@
 """Teacher top-k and target statistics on one `[rows, V]` chunk of bf16 logits, on this GPU:
 `torch.topk` against `topk_by_blocks` (and its block-max pass alone), and the two CUDA flows
-of a chunk's targets (`TARGET_FLOW` "bitmask" and "blocks"), for the shipped teachers'
+of a chunk's targets (`fused_chunk` flows "bitmask" and "blocks"), for the shipped teachers'
 vocabularies. Each result is checked against `torch.topk`'s values first.
 
     python benchmarks/topk_blocks.py [--rows 2048] > result.json
@@ -35,17 +35,12 @@ def main() -> None:
             "topk_by_blocks_ms": time_ms(lambda z=z: targets.topk_by_blocks(z, k)),
             "block_max_pass_ms": time_ms(lambda z=z: z.view(z.shape[0], -1, 128).amax(2)),
         }
-        default = targets.TARGET_FLOW["name"]
         for flow in ("bitmask", "blocks"):
-            targets.TARGET_FLOW["name"] = flow
-            try:
-                got = targets._fused_chunk(z, nxt, k, 1.0, tiny)
-                assert torch.equal(z.gather(1, got[2]), z.topk(k, dim=1).values)
-                row[f"chunk_targets_{flow}_ms"] = time_ms(
-                    lambda z=z, n=nxt: targets._fused_chunk(z, n, k, 1.0, tiny)
-                )
-            finally:
-                targets.TARGET_FLOW["name"] = default
+            got = targets.fused_chunk(z, nxt, k, 1.0, tiny, flow)
+            assert torch.equal(z.gather(1, got[2]), z.topk(k, dim=1).values)
+            row[f"chunk_targets_{flow}_ms"] = time_ms(
+                lambda z=z, n=nxt, f=flow: targets.fused_chunk(z, n, k, 1.0, tiny, f)
+            )
         out[f"{name} (V = {vocab})"] = row
     print(json.dumps(out, indent=1))
 

@@ -189,7 +189,7 @@ def measure(args) -> dict:
     import torch
 
     from crossdistill.losses import student_loss
-    from crossdistill.losses.fused import available as fused_available
+    from crossdistill.losses.kernels import available as fused_available
 
     dev = torch.device(args.device)
     hidden, weight, labels, term, targets_ms = _inputs(args, torch)

@@ -12,7 +12,6 @@ _WHERE = {
     "Batch": "batch",
     "StudentBatch": "batch",
     "TeacherBatch": "batch",
-    "block_causal_mask": "batch",
     "build_loader": "build",
     "BadInputPolicy": "documents",
     "Message": "documents",

@@ -4,7 +4,7 @@ Attention across packed documents: each row holds several documents, told apart 
 `position_ids` restart at 0 for every document so rotary positions match an unpacked run. The
 collator also gives each side its attention segments (`cu_seqlens`, `max_seqlen`), computed here
 on the host, which varlen attention takes instead of a mask (`crossdistill.models.attention`);
-`block_causal_mask(doc_ids)` is the equivalent `[B, 1, T, T]` mask for SDPA.
+`models.attention.block_causal_mask(doc_ids)` is the equivalent `[B, 1, T, T]` mask for SDPA.
 """
 
 from __future__ import annotations
@@ -156,16 +156,6 @@ def _map_buffers(batch: Batch, fn: Any) -> Batch:
         return obj
 
     return walk(batch)
-
-
-def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T] document ids -> [B, 1, T, T] bool, True where query `i` may attend to key `j`:
-    `j <= i` and both in the same document. Padding (-1) attends to earlier padding only, so
-    no row is empty (an all-False row would make SDPA return NaN)."""
-    t = doc_ids.shape[-1]
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
-    return (same & causal)[:, None]
 
 
 def segments_from_docs(doc_ids: np.ndarray) -> tuple[np.ndarray, int]:

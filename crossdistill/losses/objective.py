@@ -10,7 +10,6 @@ import torch
 from torch import Tensor
 
 from crossdistill.errors import UserError
-from crossdistill.losses import divergences as div
 from crossdistill.losses.chunked import (
     ChunkedStudentLoss,
     LazyPlan,
@@ -18,53 +17,22 @@ from crossdistill.losses.chunked import (
     compute_dtype,
     label_logprobs,
 )
-from crossdistill.losses.fused import available as fused_available
+from crossdistill.losses.kernels import available as fused_available
 from crossdistill.losses.plan import (
     KDTerm,
     Plan,
     build_plan,
     ce_count,
-    chunk_logl_s,
+    chunk_likelihood_coefs,
     loss_metrics,
-    student_rows_of_chunks,
 )
 from crossdistill.losses.reference import reference_loss
+from crossdistill.losses.sharded import sharded_student_loss
 from crossdistill.losses.sharding import RowShard, VocabShard
 
 # Losses whose gradient has a sign(q − p) factor: where the two probabilities are close, the
 # rounding of bf16 logits flips it, so the fused pass keeps float32 logits for them.
 SIGN_LOSSES = ("tvd", "uld", "gold")
-
-
-def chunk_likelihood_coefs(
-    plan: Plan, logp_label: Tensor, mine: list[Tensor] | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Chunk-likelihood terms from a first pass over the label log-probs: the loss, per-term
-    reported sums `[T]`, and the per-row coefficient that folds their gradient into the chunked
-    pass (each row of a chunk gets `−∂D/∂l_s` of its chunk, in the CE direction). `mine`: per
-    term, the chunks this rank owns (a row-sharded pass counts each chunk on one rank; the
-    coefficient still covers every chunk, since a row's chunk may be owned by another rank)."""
-    n = logp_label.shape[0]
-    coef = torch.zeros_like(logp_label)
-    loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
-    sums = torch.zeros(len(plan.terms), dtype=logp_label.dtype, device=logp_label.device)
-    for i, term in enumerate(plan.terms):
-        if term.loss != "chunk_likelihood" or term.chunks.shape[0] == 0:
-            continue  # no chunk (a batch of padding): nothing to add
-        logl_s = chunk_logl_s(logp_label, term.chunks).requires_grad_(True)
-        with torch.enable_grad():
-            value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)
-            (grad,) = torch.autograd.grad(value, logl_s)
-        owner = student_rows_of_chunks(term.chunks, term.valid_chunks, n)
-        coef -= torch.where(owner >= 0, grad[owner.clamp(min=0)], 0.0).to(coef.dtype)
-        logl = logl_s.detach()
-        weight, report = term.chunk_weight, term.chunk_report
-        if mine is not None:
-            weight = torch.where(mine[i], weight, 0.0)
-            report = torch.where(mine[i], report, 0.0)
-        loss += div.chunk_likelihood(term.logl_t, logl, weight, term.temperature).to(loss.dtype)
-        sums[i] = div.chunk_likelihood(term.logl_t, logl, report, term.temperature)
-    return loss, sums, coef
 
 
 def student_loss(
@@ -89,7 +57,7 @@ def student_loss(
     more than `chunk_size` rows of logits; `"reference"` is the plain full-logits version.
     A `chunk_likelihood` term costs the chunked pass one extra forward matmul (a first pass
     for the chunk log-likelihoods, which the gradient of every row of the chunk depends on).
-    `fused`: do the vocabulary-wide passes in two kernels (`losses.fused`: Triton on CUDA,
+    `fused`: do the vocabulary-wide passes in two kernels (`losses.kernels`: Triton on CUDA,
     their PyTorch reference elsewhere); None = on CUDA when Triton is installed. The fused
     pass keeps the logits in the matmul dtype (bf16 under bf16, as a plain lm_head gives them;
     all softmax math is float32), except with a tvd/uld/gold term (`SIGN_LOSSES`).
@@ -123,8 +91,6 @@ def student_loss(
     if vocab is not None or rows is not None:
         if backend != "chunked":
             raise UserError("a student split over ranks needs the chunked loss backend")
-        from crossdistill.losses.sharded import sharded_student_loss
-
         return sharded_student_loss(
             hidden, lm_head_s, labels, terms, kd_ratio, ce_denominator, chunk_size, vocab, rows
         )

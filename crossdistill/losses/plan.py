@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from crossdistill.errors import UserError
+from crossdistill.losses import divergences as div
 from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
 from crossdistill.losses.targets import TeacherTargets
 
@@ -360,3 +361,34 @@ def loss_metrics(
         out[f"nll_t/{name}"] = -torch.where(done, term.logl_t, 0.0).sum()
         out[f"num_chunks/{name}"] = done.sum()
     return out
+
+
+def chunk_likelihood_coefs(
+    plan: Plan, logp_label: Tensor, mine: list[Tensor] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Chunk-likelihood terms from a first pass over the label log-probs: the loss, per-term
+    reported sums `[T]`, and the per-row coefficient that folds their gradient into the chunked
+    pass (each row of a chunk gets `−∂D/∂l_s` of its chunk, in the CE direction). `mine`: per
+    term, the chunks this rank owns (a row-sharded pass counts each chunk on one rank; the
+    coefficient still covers every chunk, since a row's chunk may be owned by another rank)."""
+    n = logp_label.shape[0]
+    coef = torch.zeros_like(logp_label)
+    loss = torch.zeros((), dtype=logp_label.dtype, device=logp_label.device)
+    sums = torch.zeros(len(plan.terms), dtype=logp_label.dtype, device=logp_label.device)
+    for i, term in enumerate(plan.terms):
+        if term.loss != "chunk_likelihood" or term.chunks.shape[0] == 0:
+            continue  # no chunk (a batch of padding): nothing to add
+        logl_s = chunk_logl_s(logp_label, term.chunks).requires_grad_(True)
+        with torch.enable_grad():
+            value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)
+            (grad,) = torch.autograd.grad(value, logl_s)
+        owner = student_rows_of_chunks(term.chunks, term.valid_chunks, n)
+        coef -= torch.where(owner >= 0, grad[owner.clamp(min=0)], 0.0).to(coef.dtype)
+        logl = logl_s.detach()
+        weight, report = term.chunk_weight, term.chunk_report
+        if mine is not None:
+            weight = torch.where(mine[i], weight, 0.0)
+            report = torch.where(mine[i], report, 0.0)
+        loss += div.chunk_likelihood(term.logl_t, logl, weight, term.temperature).to(loss.dtype)
+        sums[i] = div.chunk_likelihood(term.logl_t, logl, report, term.temperature)
+    return loss, sums, coef

@@ -23,8 +23,14 @@ from crossdistill.losses.chunked import (
     compute_dtype,
     label_logprobs,
 )
-from crossdistill.losses.objective import chunk_likelihood_coefs
-from crossdistill.losses.plan import KDTerm, Plan, TermPlan, build_plan, loss_metrics
+from crossdistill.losses.plan import (
+    KDTerm,
+    Plan,
+    TermPlan,
+    build_plan,
+    chunk_likelihood_coefs,
+    loss_metrics,
+)
 from crossdistill.losses.sharding import RowShard, VocabShard
 
 

@@ -13,11 +13,13 @@ over a 150k vocabulary. This is what moves between devices and what an on-disk c
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from crossdistill.errors import UserError
+from crossdistill.losses.kernels import available, block_stats, bucket_bits, row_stats
 from crossdistill.losses.sharding import VocabShard
 
 
@@ -153,7 +155,7 @@ def teacher_targets(
         r1 = min(r0 + chunk_size, num_rows)
         if fused:
             z = hidden_t[r0:r1] @ lm_head_t.t()  # [c, V_t] in the model's half precision
-            out = _fused_chunk(z, next_ids_t[r0:r1], top_k, temperature, tail_floor)
+            out = fused_chunk(z, next_ids_t[r0:r1], top_k, temperature, tail_floor)
             next_lp[r0:r1], top_lp[r0:r1], top_ids[r0:r1], tail[r0:r1] = out
             continue
         z = _logits(hidden_t[r0:r1], lm_head_t, acc)  # [c, V_t]
@@ -171,13 +173,7 @@ def teacher_targets(
 
 
 def _use_fused(hidden_t: Tensor) -> bool:
-    from crossdistill.losses import fused
-
-    return (
-        hidden_t.is_cuda
-        and hidden_t.dtype in (torch.bfloat16, torch.float16)
-        and (fused.available())
-    )
+    return hidden_t.is_cuda and hidden_t.dtype in (torch.bfloat16, torch.float16) and available()
 
 
 TOPK_BLOCK = 128  # columns per block of `topk_by_blocks`
@@ -239,24 +235,14 @@ def _chunk_log_probs(
     return next_lp, top_lp, tail.clamp(min=tail_floor).log() - log_s
 
 
-# Which flow computes a half-precision chunk's targets: "blocks" (one pass for block maxima and
-# sums; everything else from them and the top-k blocks' candidates) or "bitmask" (top-k by
-# blocks, then the `stats` kernel over the whole chunk with a bitmask of the top-k). "blocks"
-# reads the chunk once less (measured in benchmarks/README.md); `bench step --variant
-# bitmask-stats` times the other beside it.
-TARGET_FLOW = {"name": "blocks"}
-
-
 def _blocks_chunk(
     z: Tensor, next_ids: Tensor, top_k: int, temperature: float, tail_floor: float
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
-    """`_fused_chunk` from per-block maxima and sums (`fused.block_stats`, one pass over `z`):
+    """`fused_chunk` from per-block maxima and sums (`kernels.block_stats`, one pass over `z`):
     the row max and `S_τ` combine the blocks; the top-k comes from the k blocks with the largest
     maxima (as in `topk_by_blocks`); the tail is the sum over the other blocks plus the sum over
     the candidates outside the top-k, both sums of positive terms (exact, no `S − Σ`). None
     where the blocks do not apply."""
-    from crossdistill.losses.fused import block_stats
-
     if not _blocks_apply(z, top_k, TOPK_BLOCK):
         return None
     taus = [1.0] if temperature == 1.0 else [1.0, temperature]
@@ -275,17 +261,22 @@ def _blocks_chunk(
     return next_lp, top_lp, ids, tail_lp
 
 
-def _fused_chunk(
-    z: Tensor, next_ids: Tensor, top_k: int, temperature: float, tail_floor: float
+def fused_chunk(
+    z: Tensor,
+    next_ids: Tensor,
+    top_k: int,
+    temperature: float,
+    tail_floor: float,
+    flow: Literal["blocks", "bitmask"] = "blocks",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One chunk of `teacher_targets` from half-precision logits `z [c, V_t]` (what the bf16
-    lm_head gives; the float32 path upcasts exactly these values) in three passes over the
-    block: top-k, then one kernel for the max and the sums at τ = 1 and at τ and the tail (the
-    sum over the non-top-k tokens, read from a bitmask: exact, no `S − Σ` cancellation), and
-    the gather of the next tokens. (next log-prob, top-k log-probs, top-k ids, tail log-prob)."""
-    from crossdistill.losses.fused import bucket_bits, row_stats
-
-    if TARGET_FLOW["name"] == "blocks":
+    lm_head gives; the float32 path upcasts exactly these values): (next log-prob, top-k
+    log-probs, top-k ids, tail log-prob). `flow` "blocks": one pass for per-block maxima and
+    sums, everything else from them (`_blocks_chunk`; the default, it reads the chunk once
+    less, see benchmarks/README.md); "bitmask", and wherever the blocks do not apply: top-k by
+    blocks, then one kernel for the max and the sums at τ = 1 and at τ and the tail (the sum
+    over the non-top-k tokens, read from a bitmask: exact, no `S − Σ` cancellation)."""
+    if flow == "blocks":
         out = _blocks_chunk(z, next_ids, top_k, temperature, tail_floor)
         if out is not None:
             return out

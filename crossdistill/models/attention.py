@@ -298,7 +298,6 @@ def _masked_sdpa(
     """The same attention through SDPA and a block-causal mask built from the segments;
     `window`: each query sees only the `window` latest keys (itself included), as transformers'
     sliding-window layers do."""
-    from crossdistill.data.batch import block_causal_mask
 
     b, h, t, _ = query.shape
     cu = cu.to(query.device)
@@ -311,3 +310,13 @@ def _masked_sdpa(
         query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != h
     )
     return out.transpose(1, 2).contiguous()
+
+
+def block_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document ids -> [B, 1, T, T] bool, True where query `i` may attend to key `j`:
+    `j <= i` and both in the same document. Padding (-1) attends to earlier padding only, so
+    no row is empty (an all-False row would make SDPA return NaN)."""
+    t = doc_ids.shape[-1]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(t, t, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same & causal)[:, None]

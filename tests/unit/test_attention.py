@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from crossdistill.data.batch import block_causal_mask, segments_from_docs
+from crossdistill.data.batch import segments_from_docs
 from crossdistill.models import attention, build_causal_lm
 from crossdistill.models.attention import (
     VARLEN,
+    block_causal_mask,
     compute_dtype,
     segments_from_positions,
     set_attention,

@@ -12,7 +12,8 @@ import torch
 
 from crossdistill.alignment import TokenBytes
 from crossdistill.config import DataConfig
-from crossdistill.data import block_causal_mask, build_loader
+from crossdistill.data import build_loader
+from crossdistill.models.attention import block_causal_mask
 from tests.conftest import TOKENIZER_NAMES
 from tests.unit.test_data_helpers import (
     UNICODE_TEXTS,

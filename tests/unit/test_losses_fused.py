@@ -1,4 +1,4 @@
-"""The two-kernel flow of the chunked pass (`losses.fused`): on CPU its kernels run as their
+"""The two-kernel flow of the chunked pass (`losses.kernels`, `losses.chunk_math.chunk_step_fused`): on CPU its kernels run as their
 PyTorch references, so the flow around them is checked here against the plain PyTorch pass."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from crossdistill.losses import LOSSES, ce_count, student_loss
-from crossdistill.losses.fused import bucket_bits, row_stats_torch
+from crossdistill.losses.kernels import bucket_bits, row_stats_torch
 from tests.unit.test_losses_student import rel, terms_for
 
 
@@ -69,7 +69,7 @@ def test_row_stats_reference_matches_plain_sums():
 
 _INTERPRETED = """
 import torch
-from crossdistill.losses import fused as fz
+from crossdistill.losses import kernels as fz
 g = torch.Generator().manual_seed(0)
 for c, vocab, taus, parts, dtype in [
     (3, 40000, [1.0], 1, torch.float32), (2, 70001, [1.0, 2.0], 2, torch.float32),

@@ -81,18 +81,16 @@ def test_teacher_targets_bf16_is_close_to_float64():
 
 @pytest.mark.parametrize("tau", [1.0, 0.7])
 @pytest.mark.parametrize("top_k", [5, 23])
-def test_fused_chunk_flow_matches_the_plain_path(tau, top_k, monkeypatch):
+def test_fused_chunk_flow_matches_the_plain_path(tau, top_k):
     """The CUDA bitmask flow (top-k, one stats pass with a top-k bitmask, gather), here on its
     PyTorch stand-ins, gives the plain path's targets."""
-    from crossdistill.losses import targets
-    from crossdistill.losses.targets import _fused_chunk
+    from crossdistill.losses.targets import fused_chunk
 
-    monkeypatch.setitem(targets.TARGET_FLOW, "name", "bitmask")
     h, w, nxt = _teacher(3)
     kd = torch.arange(9)
     want = teacher_targets(h, w, kd, nxt, top_k=top_k, temperature=tau, chunk_size=4)
     floor = torch.finfo(torch.float32).tiny if top_k < 23 else 0.0
-    next_lp, top_lp, ids, tail = _fused_chunk(h @ w.t(), nxt, top_k, tau, floor)
+    next_lp, top_lp, ids, tail = fused_chunk(h @ w.t(), nxt, top_k, tau, floor, flow="bitmask")
     assert torch.equal(ids.to(torch.int32), want.topk_ids)
     torch.testing.assert_close(top_lp.double(), want.topk_logprobs, rtol=0, atol=1e-12)
     torch.testing.assert_close(tail.double(), want.tail_logprob, rtol=0, atol=1e-12)
@@ -317,18 +315,24 @@ def test_block_flow_matches_the_plain_path(tau):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("flow", ["bitmask", "blocks"])
-def test_cuda_bf16_targets_at_a_real_vocabulary(flow, monkeypatch):
+def test_cuda_bf16_targets_at_a_real_vocabulary(flow):
     """Qwen3's vocabulary (151,936 = 1,187 blocks of 128), bf16 logits: both CUDA flows against
-    float64 on the same logits."""
-    from crossdistill.losses import targets
+    float64 on the same logits (`teacher_targets` runs the default one, "blocks")."""
+    from crossdistill.losses.targets import fused_chunk
 
-    monkeypatch.setitem(targets.TARGET_FLOW, "name", flow)
     gen = torch.Generator().manual_seed(8)
     h = torch.randn(256, 64, generator=gen).bfloat16()
     w = (torch.randn(151936, 64, generator=gen) * 0.3).bfloat16()
     nxt = torch.randint(0, 151936, (256,), generator=gen)
     kd = torch.arange(256)
     got = teacher_targets(h.cuda(), w.cuda(), kd.cuda(), nxt.cuda(), 64, 2.0, chunk_size=128)
+    if flow == "bitmask":
+        tiny = torch.finfo(torch.float32).tiny
+        next_lp, top_lp, ids, tail = fused_chunk(
+            h.cuda() @ w.cuda().t(), nxt.cuda(), 64, 2.0, tiny, flow
+        )
+        got.topk_logprobs, got.tail_logprob, got.next_logprobs = top_lp, tail, next_lp
+        got.topk_ids = ids
     z = (h.cuda() @ w.cuda().t()).double().cpu()  # the bf16 logits, in float64
     vals, ids = z.topk(64, dim=1)
     lse_tau = torch.logsumexp(z / 2.0, 1)

@@ -1,19 +1,17 @@
-"""The chunked pass's vocabulary-wide work in two Triton kernels (CUDA; each has a plain
-PyTorch counterpart, its reference, which also runs this flow where Triton is missing).
+"""The Triton kernels of the vocabulary-wide passes (CUDA), each with a plain PyTorch
+counterpart, its reference, which also runs where Triton is missing.
 
-The PyTorch path (`chunked.chunk_step`) makes about ten passes over each `[c, V]` block. Here:
-
-1. `_stats`: one online-softmax pass per row computing the max, its argmax, `S_τ = Σ e^{(z−max)/τ}`
-   for every temperature in use, and each tail part's `S_tail` (the same sum over tokens outside
-   the part's buckets, read from a per-row bitmask: exact, no `S − Σ` cancellation).
-2. `_grad`: `G = Σ_τ e^{(z−max)/τ} · A_τ[row]` written once, in the matmul dtype, over the
-   logits themselves: one `[c, V]` buffer per chunk in all.
+1. `row_stats` (`_stats`): one online-softmax pass per row computing the max, its argmax,
+   `S_τ = Σ e^{(z−max)/τ}` for every temperature in use, and each tail part's `S_tail` (the same
+   sum over tokens outside the part's buckets, read from a per-row bitmask: exact, no `S − Σ`
+   cancellation).
+2. `logit_grad` (`_grad`): `G = Σ_τ e^{(z−max)/τ} · A_τ[row]` written once, in the matmul dtype,
+   over the logits themselves.
+3. `block_stats`: per-block maxima and sums of `[c, V]` logits in one pass (the teachers'
+   targets).
 
 The logits stay in the matmul dtype (bf16 under bf16 training, as a plain bf16 lm_head produces
-them); every exp and sum is float32.
-
-Everything in between (bucket log-probs, divergences, coefficients, the K corrections per row)
-is the same small-tensor code as the PyTorch path, which stays the reference.
+them); every exp and sum is float32. Nothing here imports another loss module.
 """
 
 from __future__ import annotations
@@ -22,9 +20,6 @@ import functools
 
 import torch
 from torch import Tensor
-
-from crossdistill.losses.chunked import finish_tail, label_terms, part_step, select, weighted_sum
-from crossdistill.losses.plan import Plan
 
 NEG_INF = float("-inf")
 BLOCK_STATS = 2048
@@ -308,76 +303,3 @@ def logit_grad_torch(z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, d
     shifted = z.to(coef.dtype) - zmax.unsqueeze(1)
     out = sum(((shifted / tau).exp() * coef[:, t : t + 1] for t, tau in enumerate(taus)), 0.0)
     return z.copy_(out) if z.dtype == dtype else out.to(dtype)
-
-
-def chunk_step_fused(
-    z: Tensor, sl: slice, plan: Plan, label_coef: Tensor, want_grad: bool, grad_dtype
-) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
-    """`chunked.chunk_step` with the vocabulary-wide passes in two kernels. `z [c, V]` is in the
-    matmul dtype (bf16 logits, as a plain bf16 lm_head gives them; all softmax math is float32)
-    and is consumed: the gradient is written over it when `grad_dtype` is its dtype."""
-    vocab = z.shape[1]
-    acc = torch.float64 if z.dtype == torch.float64 else torch.float32
-    labels0 = plan.labels[sl].clamp(min=0).unsqueeze(1)
-    z_label = z.gather(1, labels0).squeeze(1).to(acc)
-    picked = [[select(z, p, sl) for p in t.parts] for t in plan.terms]
-    picked = [[(v.to(acc), ids) for v, ids in row] for row in picked]
-    taus = [1.0] + [t for t in plan.temperatures if t != 1.0]
-    masks, mask_tau, tails = [], [], {}
-    for ti, term in enumerate(plan.terms):
-        for pi, (part, (_, ids)) in enumerate(zip(term.parts, picked[ti])):
-            if part.logq_tail is not None:
-                valid = None if part.valid is None else part.valid[sl]
-                tails[ti, pi] = len(masks)
-                masks.append(bucket_bits(ids, valid, vocab))
-                mask_tau.append(taus.index(term.temperature))
-    zmax, argmax, s_all, tail_all = row_stats(z, taus, masks, mask_tau)
-    coef = torch.zeros_like(s_all)
-    term_sums = torch.zeros(len(plan.terms), dtype=acc, device=z.device)
-    loss = torch.zeros((), dtype=acc, device=z.device)
-    fixes: list[tuple[Tensor, Tensor]] = []
-    for ti, term in enumerate(plan.terms):
-        if not term.parts:  # chunk likelihood: folded into the label coefficient
-            continue
-        tau, t = term.temperature, taus.index(term.temperature)
-        s, weight = s_all[:, t], term.row_weight[sl]
-        lse_u = zmax / tau + s.log()
-        for pi, (part, (z_sel, ids)) in enumerate(zip(term.parts, picked[ti])):
-            e_ids = ((z_sel - zmax.unsqueeze(1)) / tau).exp()
-            s_tail = None
-            if (ti, pi) in tails:
-                s_tail = finish_tail(part, sl, ids, tail_all[:, tails[ti, pi]], vocab)
-            rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-            term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
-            loss = loss + weighted_sum(rows, weight)
-            coef[:, t] += a
-            fixes.append((ids, corr))
-    s1 = s_all[:, 0]
-    loss, logp_label = label_terms(plan, sl, z_label - zmax - s1.log(), loss)
-    coef[:, 0] += label_coef / s1
-    fixes.append((labels0, -label_coef.unsqueeze(1)))
-    if not want_grad:
-        return None, loss, term_sums, logp_label, argmax
-    ids, exact = exact_at_ids(z, zmax, taus, coef, fixes)  # reads z: before it is overwritten
-    out = logit_grad(z, zmax, taus, coef, grad_dtype)
-    out.scatter_(1, ids, exact.to(out.dtype))  # equal values for equal ids
-    return out, loss, term_sums, logp_label, argmax
-
-
-def exact_at_ids(
-    z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, fixes
-) -> tuple[Tensor, Tensor]:
-    """The corrected gradient at every bucket and label id, `[c, F]` ids and float32 values:
-    base `Σ_τ e·coef` plus all corrections at that id, to be written with a single rounding
-    (adding a correction such as CE's `−1` into an already rounded bf16 value would lose the
-    small difference that remains)."""
-    ids = torch.cat([i for i, _ in fixes], 1)  # [c, F]
-    corr = torch.cat([v for _, v in fixes], 1).to(coef.dtype)
-    ids, order = ids.sort(1)
-    corr = corr.gather(1, order)
-    prev = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=-1)
-    slot = torch.cumsum((ids != prev).long(), 1) - 1  # one slot per distinct id of the row
-    total = torch.zeros_like(corr).scatter_add_(1, slot, corr).gather(1, slot)
-    shifted = z.gather(1, ids).to(coef.dtype) - zmax.unsqueeze(1)
-    base = sum(((shifted / tau).exp() * coef[:, t : t + 1] for t, tau in enumerate(taus)), 0.0)
-    return ids, base + total
