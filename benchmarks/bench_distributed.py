@@ -190,9 +190,9 @@ def global_batches(cfg: Config, count: int) -> list:
 
 
 def slots_for(cfg: Config, models_t: list, device: torch.device) -> list:
+    from crossdistill.distributed.runtime import TeacherSlot
     from crossdistill.models import Teacher, load_tokenizer
     from crossdistill.train.build import build_projection_for
-    from crossdistill.train.step import TeacherSlot
     from crossdistill.train.validate import validate_config
 
     res_s, res_t = validate_config(cfg)
@@ -205,10 +205,6 @@ def slots_for(cfg: Config, models_t: list, device: torch.device) -> list:
         )
         slots.append(TeacherSlot(Teacher(model, t.name), t, proj))
     return slots
-
-
-def placement_is_parallel(placement) -> bool:
-    return hasattr(placement, "data_size")
 
 
 def run_phase(cfg, student, slots, placement, batches, args, device, rank_of_data, num_data):
@@ -231,7 +227,7 @@ def run_phase(cfg, student, slots, placement, batches, args, device, rank_of_dat
 
     def step(window, timing=False):
         t0 = time.perf_counter()
-        metrics = train_step(student, slots, window, settings, placement=placement)
+        metrics = train_step(student, slots, window, settings, placement)
         sync(device) if timing else None
         t1 = time.perf_counter()
         norm = clip_grad_norm_(student.parameters(), cfg.optim.grad_clip)
@@ -269,7 +265,7 @@ def run_phase(cfg, student, slots, placement, batches, args, device, rank_of_dat
         step([batches[base + k * num_data + rank_of_data]], timing=True)
     seconds = sum(t for t, _ in timed)
     tokens = sum(n for _, n in timed)
-    world = dist.get_world_size() if placement_is_parallel(placement) else 1
+    world = placement.env.world_size
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return {
         "invariance": invariance,
@@ -282,20 +278,19 @@ def run_phase(cfg, student, slots, placement, batches, args, device, rank_of_dat
 
 
 def one_gpu(cfg: Config, batches: list, args, device: torch.device) -> dict:
-    from crossdistill.models import build_causal_lm
-    from crossdistill.models.loading import parse_dtype
-    from crossdistill.train.step import SingleProcess
+    """The same step on this rank's device alone: the one-rank layouts (no mesh, every
+    reduction the identity), as a job of one process runs it."""
+    from crossdistill.distributed.layout import DistEnv
+    from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
+    from crossdistill.train.validate import validate_config
 
-    s, t = cfg.student, cfg.teachers[0]
-    student = build_causal_lm(
-        arch=s.arch, device=device, dtype=parse_dtype(s.dtype), overrides=s.overrides, seed=0
-    )
-    teacher = build_causal_lm(
-        arch=t.arch, device=device, dtype=parse_dtype(t.dtype), overrides=t.overrides, seed=1
-    )
-    slots = slots_for(cfg, [teacher], device)
-    out = run_phase(cfg, student, slots, SingleProcess(device), batches, args, device, 0, 1)
-    del student, teacher, slots
+    res_s, res_t = validate_config(cfg)
+    layouts = plan_layouts(cfg, 1, res_s.hf_config, [r.hf_config for r in res_t])
+    placement = build_placement(DistEnv(device=device), layouts)
+    student, models_t, _ = parallel_models(cfg, placement)
+    slots = slots_for(cfg, models_t, device)
+    out = run_phase(cfg, student, slots, placement, batches, args, device, 0, 1)
+    del student, models_t, slots
     gc.collect()
     torch.cuda.empty_cache() if device.type == "cuda" else None
     return out

@@ -7,8 +7,9 @@
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
 # EXTRA: more `bench step` arguments for the step2048 stage, TAG: a suffix for its file name.
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
-#   tests ceilings kernels loss step2048 multi step4096 accum padding equal
-# kernels: varlen attention and teacher top-k alone; accum: the three setups with 4
+#   tests ceilings kernels loss step2048 ablate multi step4096 accum padding equal
+# kernels: varlen attention and teacher top-k alone; ablate: the Qwen3 setup with each
+# optimisation undone, each run in its own process (benchmarks/step_ablations.py); accum: the three setups with 4
 # micro-batches per optimizer step and selective recomputation; padding: the two-teacher setup
 # with its cross teacher on non-pad tokens vs padded rows, alternating runs; equal: optimised
 # vs plain.
@@ -46,9 +47,11 @@ Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
 P=(--teacher phi-4-mini --teacher-tokenizer "$TOK/phi-4-mini/hf"
    --teacher llama-3.2-3b --teacher-tokenizer "$TOK/llama3/hf")
 stage step2048 && step qwen3-4b-llama-1b-2048${TAG:-} "${S[@]}" "${Q[@]}" --seq-len 2048 --micro-batch 4 ${EXTRA:-} \
-    --steps 8 --warmup 3 --compile --baseline naive --ablate eager --ablate sdpa --profile
+    --steps 8 --warmup 3 --compile --baseline naive --profile
+stage ablate && $py benchmarks/step_ablations.py --out "$OUT/ablations-$stamp.jsonl" -- "${S[@]}" \
+    "${Q[@]}" --seq-len 2048 --micro-batch 4 --steps 8 --warmup 3 --compile
 stage multi && step phi4mini-llama3b-llama-1b-2048 "${S[@]}" "${P[@]}" --seq-len 2048 \
-    --micro-batch 4 --steps 8 --warmup 3 --compile --baseline naive --ablate eager
+    --micro-batch 4 --steps 8 --warmup 3 --compile --baseline naive
 stage step4096 && step qwen3-4b-llama-1b-4096 "${S[@]}" "${Q[@]}" --seq-len 4096 --micro-batch 2 \
     --steps 8 --warmup 3 --compile --baseline naive
 A=(--grad-accum 4 --loss-chunk-size 2048 --steps 4 --warmup 2 --compile

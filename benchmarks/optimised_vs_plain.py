@@ -3,8 +3,8 @@ and gradient norms over N steps.
 
 Optimised: varlen flash attention, compiled blocks, the Triton loss kernels and fused teacher
 targets (what `crossdistill bench step --compile` times). Plain: transformers' SDPA attention
-with the block mask, eager blocks, the PyTorch loss and target code (the kernels switched
-off). Both start from the same random init of real shapes and see the same batches from the
+with the block mask, eager blocks, the PyTorch loss and target code (`train.loss_kernels:
+pytorch`). Each is a run of the trainer's own components, built from its config. Both start from the same random init of real shapes and see the same batches from the
 real collator; bf16 autocast on CUDA, so they agree to bf16 tolerance, not bit for bit.
 
     python benchmarks/optimised_vs_plain.py --student-tokenizer $TOK/llama3/hf \\
@@ -36,7 +36,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
     # the fields `bench step`'s builder reads
     for name, value in dict(
         warmup=0, grad_accum=1, top_k=64, loss="forward_kl", loss_chunk_size=2048,
-        checkpoint_blocks=0, checkpoint_scope="block", compile=False,
+        checkpoint_blocks=0, checkpoint_scope="block", teacher_padding="auto",
     ).items():  # fmt: skip
         setattr(args, name, value)
     return args
@@ -44,36 +44,25 @@ def _args(argv: list[str]) -> argparse.Namespace:
 
 def _run(args, batches: list, optimised: bool) -> dict[str, list[float]]:
     from crossdistill.bench.step_setup import build_bench
-    from crossdistill.distributed.parallelize import apply_compile
-    from crossdistill.losses import kernels as fused
-    from crossdistill.models.attention import set_attention
     from crossdistill.train.step import train_step
 
-    bench = build_bench(args)  # same seeds: the same initial weights on both runs
-    models = [bench.student] + [s.teacher.model for s in bench.slots]
-    if optimised:
-        for model in models:
-            apply_compile(model)
-    else:
-        for model in models:
-            set_attention(model, "sdpa")
-    kernels = fused.available
-    if not optimised:
-        fused.available = lambda: False  # the PyTorch loss and teacher-target code
-    try:
-        losses, norms = [], []
-        for batch in batches:
-            metrics = train_step(
-                bench.student, bench.slots, [batch.to(bench.device)], bench.settings
-            )
-            norm = torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
-            bench.optimizer.step()
-            bench.optimizer.zero_grad(set_to_none=True)
-            losses.append(float(metrics["loss"]))
-            norms.append(float(norm))
-    finally:
-        fused.available = kernels
-    del bench
+    options = (
+        {"compile": args.device == "cuda", "attention": "auto", "loss_kernels": "auto"}
+        if optimised
+        else {"compile": False, "attention": "sdpa", "loss_kernels": "pytorch"}
+    )
+    bench = build_bench(argparse.Namespace(**{**vars(args), **options}))  # same initial weights
+    c = bench.c
+    losses, norms = [], []
+    for batch in batches:
+        window = [batch.to(bench.device)]
+        metrics = train_step(c.student, c.slots, window, bench.settings, c.placement)
+        norm = torch.nn.utils.clip_grad_norm_(c.student.parameters(), 1.0)
+        c.optimizer.step()
+        c.optimizer.zero_grad(set_to_none=True)
+        losses.append(float(metrics["loss"]))
+        norms.append(float(norm))
+    del bench, c
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return {"loss": losses, "grad_norm": norms}
@@ -83,7 +72,9 @@ def main(argv: list[str] | None = None) -> None:
     from crossdistill.bench.step_setup import build_bench
 
     args = _args(sys.argv[1:] if argv is None else argv)
-    feeder = build_bench(args)
+    feeder = build_bench(
+        argparse.Namespace(**vars(args), compile=False, attention="auto", loss_kernels="auto")
+    )
     batches = [next(feeder.loader) for _ in range(args.steps)]
     del feeder
     fast = _run(args, batches, optimised=True)

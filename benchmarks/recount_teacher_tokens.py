@@ -45,13 +45,20 @@ def _timed_counts(args) -> tuple[list[float], ...]:
     """Teacher non-pad tokens per student token in the batch drawn before warm-up and over the
     batches `bench step` timed, and the teachers' row slots (padding included) per non-pad
     token over those batches."""
-    from crossdistill.bench.step_setup import bench_loader, count_tokens, first_ratio
+    from crossdistill.bench.step_setup import (
+        bench_config,
+        count_tokens,
+        first_ratio,
+        write_corpus,
+    )
+    from crossdistill.data import build_loader
     from crossdistill.models import load_tokenizer
 
     tok_s = load_tokenizer(args.student_tokenizer)
     toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
     with tempfile.TemporaryDirectory() as tmp:
-        loader = iter(bench_loader(args, Path(tmp), tok_s, toks_t, cuda=True))
+        cfg = bench_config(args, write_corpus(Path(tmp), args))
+        loader = iter(build_loader(cfg.data, tok_s, toks_t, split="train"))
         first = first_ratio(next(loader))  # what `bench step` drew before warm-up
         for _ in range(args.warmup * args.grad_accum):
             next(loader)

@@ -23,9 +23,21 @@ import yaml
 
 from crossdistill.errors import UserError
 
+# The choices of the settings below, defined once (the modules that act on them import these).
+DistributionLoss = Literal["forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd"]
 LossName = Literal[
     "forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd", "gold", "uld", "chunk_likelihood"
 ]
+DISTRIBUTION_LOSSES: tuple[str, ...] = get_args(DistributionLoss)
+LOSSES: tuple[str, ...] = get_args(LossName)
+Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
+# auto (= varlen: flash varlen over packed documents on CUDA, masked SDPA elsewhere), or a
+# transformers implementation name
+Attention = Literal["auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2"]
+ATTENTION_CHOICES: tuple[str, ...] = get_args(Attention)
+# what activation checkpointing recomputes
+CheckpointScope = Literal["block", "mlp", "selective"]
+CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 MISSING_REQUIRED = "???"
 
 
@@ -48,23 +60,17 @@ class ModelConfig:
     path: str | None = None
     arch: str | None = None
     tokenizer: str | None = None  # folder, HF id or tiktoken file; defaults to `path`
-    dtype: str = "bfloat16"
-    # auto (= varlen: flash varlen over packed documents on CUDA, masked SDPA elsewhere),
-    # or a transformers implementation name: sdpa, eager, flex_attention, flash_attention_2
-    attn_implementation: str = "auto"
+    dtype: Dtype = "bfloat16"
+    attn_implementation: Attention = "auto"  # see `Attention` above
     # HF config fields to change, e.g. {num_hidden_layers: 4}
     overrides: dict[str, Any] = field(default_factory=dict)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compile: bool = False  # torch.compile each transformer block
 
 
-# what activation checkpointing recomputes
-CHECKPOINT_SCOPES = ("block", "mlp", "selective")
-
-
 @dataclass
 class StudentConfig(ModelConfig):
-    dtype: str = "float32"  # master weights; compute runs under autocast on GPU
+    dtype: Dtype = "float32"  # master weights; compute runs under autocast on GPU
     activation_checkpointing: bool = False
     # with activation_checkpointing: recompute only the first N blocks (0 = every block); a
     # few blocks buy back memory at a fraction of the full recomputation's cost
@@ -72,7 +78,7 @@ class StudentConfig(ModelConfig):
     # what is recomputed: "block" (the whole block: the most memory back), "mlp" (only its
     # MLP, matmuls included) or "selective" (only the MLP's elementwise work: its weights' casts
     # to the autocast dtype and the gated activation; its matmul outputs are kept)
-    activation_checkpointing_scope: str = "block"
+    activation_checkpointing_scope: CheckpointScope = "block"
 
 
 @dataclass
@@ -126,14 +132,20 @@ class TrainConfig:
     eval_batches: int = 20
     checkpoint_every: int = 500
     keep_last: int = 2
-    # write single-process checkpoints from a background thread (the loop waits only for the
-    # copy of the state into host memory); sharded checkpoints are written in the loop
+    # write checkpoints from a background thread (the loop waits only for the copy of the
+    # state into host memory)
     checkpoint_in_background: bool = True
+    # a cross teacher's body on its non-pad tokens: "auto" where flash varlen attention covers
+    # every layer, "drop" always, "keep" never (the padded rows, for comparisons)
+    teacher_padding: Literal["auto", "drop", "keep"] = "auto"
     log_every: int = 10
     max_consecutive_skips: int = 5
     device: str = "auto"
     seed: int = 0
     loss_chunk_size: int = 1024
+    # the loss and the teachers' targets: "auto" = the fused Triton kernels on CUDA, "pytorch"
+    # = the plain PyTorch code everywhere (a comparison, or a GPU without Triton support)
+    loss_kernels: Literal["auto", "pytorch"] = "auto"
 
 
 @dataclass

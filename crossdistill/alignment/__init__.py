@@ -5,8 +5,9 @@ batch), `align_dp` (the quadratic fallback, as a baseline), `Projection` / `buil
 (sparse teacher-to-student vocabulary map; imported on first use, it needs torch).
 """
 
+from crossdistill.alignment.align import align
 from crossdistill.alignment.batch import align_batch
-from crossdistill.alignment.chunks import Alignment, align, align_dp
+from crossdistill.alignment.chunks import Alignment, align_dp
 from crossdistill.alignment.token_bytes import TokenBytes
 
 __all__ = [

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from crossdistill.alignment.chunks import Alignment, align, as_ids, pair_leading, rows_from_cuts
+from crossdistill.alignment.align import align
+from crossdistill.alignment.chunks import Alignment, as_ids, pair_leading, rows_from_cuts
 from crossdistill.alignment.pair import common_cuts, joint, pair_table, same_bytes
 from crossdistill.alignment.token_bytes import TokenBytes
 from crossdistill.errors import UserError

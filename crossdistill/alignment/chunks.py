@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from crossdistill.alignment.dp import lcs_pairs
-from crossdistill.alignment.pair import arange, common_cuts, joint, pair_table, same_bytes
+from crossdistill.alignment.pair import arange, common_cuts, same_bytes
 from crossdistill.alignment.token_bytes import TokenBytes
 from crossdistill.errors import UserError
 
@@ -156,29 +156,7 @@ def _drop_dummy_prefix(table: TokenBytes, lens, flat_at, doc_starts) -> None:
     flat_at[first] += 1
 
 
-def align(ids_s, ids_t, bytes_s: TokenBytes, bytes_t: TokenBytes) -> Alignment:
-    """Align a student and a teacher tokenization of the same text.
-
-    ids_s: [n] student token ids, ids_t: [m] teacher token ids (any 1-D int sequence);
-    bytes_s / bytes_t: the two tokenizers' `TokenBytes`. Returns an `Alignment`.
-    """
-    ids_s, ids_t = as_ids(ids_s, bytes_s), as_ids(ids_t, bytes_t)
-    pair = pair_table(bytes_s, bytes_t)
-    j = joint(pair, ids_s, ids_t)
-    trivial = _trivial(j.n, j.m, j.total_s, j.total_t)
-    if trivial is not None:
-        return trivial
-    if j.total_s == j.total_t:
-        exact = _exact_alignment(pair, j, ids_s, ids_t, bytes_s, bytes_t)
-        if exact is not None:
-            return exact
-    from crossdistill.alignment.align_diff import align_different_bytes
-
-    side_s, side_t = make_side(ids_s, bytes_s), make_side(ids_t, bytes_t)
-    return align_different_bytes(side_s, side_t, side_s.stream(), side_t.stream())
-
-
-def _exact_alignment(pair, j, ids_s, ids_t, bytes_s, bytes_t) -> Alignment | None:
+def exact_alignment(pair, j, ids_s, ids_t, bytes_s, bytes_t) -> Alignment | None:
     """The alignment of `Joint` j when both sides' bytes are identical, else None."""
     cuts, hit = common_cuts(j)
     if not same_bytes(pair, j, cuts, hit):
@@ -224,7 +202,7 @@ def align_dp(ids_s, ids_t, bytes_s: TokenBytes, bytes_t: TokenBytes) -> Alignmen
     """The alignment `align` gives for texts both sides decode to identical bytes, computed by
     the O(n * m) dynamic program over token end offsets: the fallback, kept as a baseline."""
     side_s, side_t = make_side(ids_s, bytes_s), make_side(ids_t, bytes_t)
-    trivial = _trivial(side_s.size, side_t.size, side_s.total, side_t.total)
+    trivial = trivial_alignment(side_s.size, side_t.size, side_s.total, side_t.total)
     if trivial is not None:
         return trivial
     ends_s, ends_t = side_s.positive_ends(), side_t.positive_ends()
@@ -239,7 +217,7 @@ def align_dp(ids_s, ids_t, bytes_s: TokenBytes, bytes_t: TokenBytes) -> Alignmen
     return Alignment(chunks, exact, num_fallback=side_s.size + side_t.size)
 
 
-def _trivial(n_s: int, n_t: int, total_s: int, total_t: int) -> Alignment | None:
+def trivial_alignment(n_s: int, n_t: int, total_s: int, total_t: int) -> Alignment | None:
     """Texts with no bytes on a side: zero chunks, or one inexact chunk if only one is empty.
     n_*: tokens per side, total_*: bytes per side."""
     if n_s == 0 or n_t == 0 or (total_s == 0 and total_t == 0):

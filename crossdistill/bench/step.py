@@ -8,6 +8,10 @@ bf16 matmul rate measured in the same run), peak memory, and the time split. Wit
 models and the same student batch: plain HF forwards with full logits, fp32 log-softmax losses
 over the full vocabularies (the teacher fed the student's ids: no alignment), fused AdamW.
 
+The run is built from a `crossdistill train` config by the trainer's own code; attention,
+compile, recomputation and the teachers' padding are options of that config, so comparing
+them is comparing runs (`benchmarks/step_ablations.py` runs them side by side).
+
 FLOPs per student token: 6·N_s + 2·Σ N_t·(T_t/T_s) for the weight matmuls (lm_head included,
 embeddings not), plus attention: 6·L_s·T·d_s (training: 3x the 2·T·d causal forward) and
 2·L_t·T_t·d_t per teacher.
@@ -19,25 +23,10 @@ import argparse
 import json
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from crossdistill.config import CHECKPOINT_SCOPES
+from crossdistill.config import ATTENTION_CHOICES, CHECKPOINT_SCOPES
 
-ABLATIONS = {
-    "sdpa": "transformers' SDPA attention with the block mask from positions (not varlen)",
-    "eager": "no torch.compile (with --compile)",
-    "torch-varlen": "torch.nn.attention.varlen_attn (its own backend choice) for varlen attention",
-    "full-topk": "teacher top-k by torch.topk over the whole vocabulary (not from the blocks "
-    "with the largest maxima)",
-    "fp32-queries": "attention of the float32 student in float32 under autocast (misses flash: "
-    "the masked path over all T² scores)",
-}
-VARIANTS = {
-    "bitmask-stats": "teacher targets by top-k from the blocks, then the stats kernel over the "
-    "whole chunk with a bitmask of the top-k (instead of one pass of per-block maxima and sums)",
-}
-TEACHER_PADDING = {"auto": "auto", "drop": "on", "keep": "off"}  # -> DROP_TEACHER_PADDING mode
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
   crossdistill bench step --teacher qwen3-4b --teacher-tokenizer $TOK/qwen3/hf \\
@@ -75,18 +64,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--loss", default="forward_kl")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument("--baseline", choices=["none", "naive"], default="none")
-    for flag, table, what in (
-        ("--ablate", ABLATIONS, "with one optimisation undone"),
-        ("--variant", VARIANTS, "with an alternative not on by default"),
-    ):
-        p.add_argument(
-            flag,
-            action="append",
-            default=[],
-            choices=sorted(table),
-            help=f"also time the step {what} (repeatable): "
-            + "; ".join(f"{k}: {v}" for k, v in sorted(table.items())),
-        )
+    p.add_argument(
+        "--attention",
+        choices=ATTENTION_CHOICES,
+        default="auto",
+        help="attention of every model, as `attn_implementation` (auto: flash varlen on CUDA)",
+    )
     p.add_argument(
         "--compile",
         action="store_true",
@@ -106,13 +89,17 @@ def add_parser(subparsers) -> None:
         "MLPs' elementwise work (weight casts, gated activation; matmul outputs kept)",
     )
     p.add_argument(
+        "--loss-kernels",
+        choices=["auto", "pytorch"],
+        default="auto",
+        help="the loss and teacher targets in fused Triton kernels on CUDA (auto) or in PyTorch",
+    )
+    p.add_argument(
         "--teacher-padding",
-        choices=sorted(TEACHER_PADDING),
+        choices=["auto", "drop", "keep"],
         default="auto",
         help="cross teachers' bodies over their non-pad tokens alone (drop), over the padded "
-        "rows (keep), or drop where flash attention covers every layer (auto). Compare them in "
-        "separate runs: switched inside one process (as an ablation) the padded rows timed "
-        "3-12%% slower than in a run of their own on an H200, cause unknown",
+        "rows (keep), or drop where flash attention covers every layer (auto)",
     )
     p.add_argument(
         "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"
@@ -151,24 +138,6 @@ def _flops_per_student_token(s: Shape, teachers: list[tuple[Shape, float]], t_s:
     return flops
 
 
-class Timer:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.totals: dict[str, float] = {}
-
-    @contextmanager
-    def __call__(self, name: str):
-        import torch
-
-        if self.cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        yield
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
-
-
 def _matmul_tflops(device) -> float | None:
     import torch
 
@@ -193,16 +162,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give one --teacher-tokenizer per --teacher")
     if args.grad_accum < 1:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    from crossdistill.train import step as train_step_module
-
-    padding = args.teacher_padding
-    saved = train_step_module.DROP_TEACHER_PADDING
-    train_step_module.DROP_TEACHER_PADDING = {"mode": TEACHER_PADDING[padding]}
-    try:
-        result = _measure(args)
-    finally:
-        train_step_module.DROP_TEACHER_PADDING = saved
-    result["teacher_padding"] = padding
+    result = _measure(args)
     if args.json:
         print(json.dumps(result))
     else:
@@ -217,7 +177,6 @@ def _measure(args: argparse.Namespace) -> dict:
         naive_step,
         profile_real_step,
         profiled_step,
-        retimed_steps,
         timed_steps,
     )
 
@@ -227,21 +186,30 @@ def _measure(args: argparse.Namespace) -> dict:
     result.update(profiled_step(bench, args))
     if args.profile:
         result["profile"] = profile_real_step(bench, args)
-    for kind in ("ablate", "variant"):
-        for name in getattr(args, kind):
-            result.update(retimed_steps(bench, args, kind, name))
+    shapes = Shapes(
+        _shape(bench.c.student),
+        [_shape(s.teacher.model) for s in bench.c.slots],
+        _lm_head_size(bench.c.student),
+    )
     if args.baseline == "naive":
         result.update(naive_step(bench, args))
     result["matmul_tflops_measured"] = _matmul_tflops(bench.device)
-    _finish(result, bench, args)
+    _finish(result, shapes, bench, args)
     return result
 
 
-def _finish(result: dict, bench, args) -> None:
+@dataclass
+class Shapes:
+    student: Shape
+    teachers: list[Shape]
+    head_s: int  # the student's lm_head weights
+
+
+def _finish(result: dict, shapes: Shapes, bench, args) -> None:
     import torch
 
-    s = _shape(bench.student)
-    teachers = [(_shape(t.teacher.model), r) for t, r in zip(bench.slots, bench.teacher_ratio)]
+    s = shapes.student
+    teachers = list(zip(shapes.teachers, bench.teacher_ratio))
     flops = _flops_per_student_token(s, teachers, args.seq_len)
     name = torch.cuda.get_device_name() if bench.device.type == "cuda" else "cpu"
     peak = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
@@ -259,6 +227,9 @@ def _finish(result: dict, bench, args) -> None:
         compile=args.compile,
         checkpoint_blocks=args.checkpoint_blocks,
         checkpoint_scope=args.checkpoint_scope,
+        attention=args.attention,
+        teacher_padding=args.teacher_padding,
+        loss_kernels=args.loss_kernels,
         teacher_tokens_per_student_token=bench.teacher_ratio,
     )
     for key in ("", "naive_"):
@@ -272,32 +243,20 @@ def _finish(result: dict, bench, args) -> None:
             result[f"{key}fraction_of_measured_matmul"] = (
                 achieved / result["matmul_tflops_measured"]
             )
-    for key in [k for k in result if k.endswith("/teacher_tokens_per_student_token")]:
-        # an ablation or variant: timed on later batches, so FLOPs from its own teacher tokens
-        prefix = key.removesuffix("teacher_tokens_per_student_token")
-        own = [(_shape(t.teacher.model), r) for t, r in zip(bench.slots, result[key])]
-        achieved = result[f"{prefix}tokens_per_s"] * _flops_per_student_token(s, own, args.seq_len)
-        result[f"{prefix}mfu"] = achieved / 1e12 / peak if peak else None
     if result.get("naive_tokens_per_s"):
         result["speedup_vs_naive"] = result["tokens_per_s"] / result["naive_tokens_per_s"]
     rate = result.get("matmul_tflops_measured")
     if rate and "ms/student_loss" in result:
-        # the loss phases hold the lm_head matmuls any step runs (the student's three, each
-        # teacher's one): what the loss adds beyond them, at the matmul rate of this run
+        # the student's loss pass holds its three lm_head matmuls (forward, two backward): what
+        # the chunked loss adds beyond them, at the matmul rate of this run
         tokens = args.seq_len * args.micro_batch * args.grad_accum  # per optimizer step
-        head = 3 * 2 * tokens * _lm_head_size(bench.student)
-        head += sum(
-            2 * tokens * r * _lm_head_size(t.teacher.model)
-            for t, r in zip(bench.slots, bench.teacher_ratio)
-        )
-        head_ms = head / (rate * 1e12) * 1e3
+        head_ms = 3 * 2 * tokens * shapes.head_s / (rate * 1e12) * 1e3
         split = sum(v for k, v in result.items() if k.startswith("ms/") and k != "ms/step")
         split -= result.get("ms/naive_step", 0.0)
-        loss_ms = result["ms/student_loss"] + sum(
-            v for k, v in result.items() if k.startswith("ms/teacher_targets")
+        result["student_lm_head_matmul_ms"] = head_ms
+        result["student_loss_beyond_lm_head_fraction"] = (
+            max(result["ms/student_loss"] - head_ms, 0.0) / split
         )
-        result["lm_head_matmul_ms"] = head_ms
-        result["loss_fraction_beyond_lm_head"] = max(loss_ms - head_ms, 0.0) / split
 
 
 def _lm_head_size(model) -> int:
@@ -321,10 +280,10 @@ def _print_table(result: dict) -> None:
         "fraction_of_measured_matmul",
         "peak_gib",
         "loader_fraction",
-        "loss_fraction",
-        "loss_fraction_beyond_lm_head",
+        "attention",
         "student_loss_fraction",
-        "teacher_targets_fraction",
+        "student_loss_beyond_lm_head_fraction",
+        "teacher_fraction",
         "naive_tokens_per_s",
         "naive_mfu",
         "naive_peak_gib",
@@ -334,9 +293,6 @@ def _print_table(result: dict) -> None:
         if k in result and result[k] is not None:
             v = result[k]
             print(f"{k:30s} {v:.4g}" if isinstance(v, float) else f"{k:30s} {v}")
-    for k, v in sorted(result.items()):
-        if k.startswith(("ablate/", "variant/")) and isinstance(v, float):
-            print(f"{k:30s} {v:.4g}")
     print("time split (ms per step):")
     for k, v in sorted(result.items()):
         if k.startswith("ms/"):

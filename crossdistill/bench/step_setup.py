@@ -1,25 +1,33 @@
-"""The pieces of `crossdistill bench step`: building the models and data, timing the real step,
-a phase-by-phase profile, and the naive baseline."""
+"""The pieces of `crossdistill bench step`: the run's components built from a config exactly as
+`crossdistill train` builds them, the real step timed, a phase-by-phase split, and the naive
+baseline. Alternatives (attention, compile, recomputation, teacher padding) are options of the
+config, so a comparison is two runs of this command (`benchmarks/step_ablations.py`)."""
 
 from __future__ import annotations
 
 import json
 import tempfile
 import time
-from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from crossdistill.config import DataConfig, OptimConfig, TeacherConfig
+from crossdistill.config import (
+    Config,
+    DataConfig,
+    OptimConfig,
+    StudentConfig,
+    TeacherConfig,
+    TrainConfig,
+)
 from crossdistill.losses import kd_count, student_loss
-from crossdistill.models import Teacher, build_causal_lm, load_tokenizer
-from crossdistill.models.attention import segments_of, set_attention
+from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import final_hidden
-from crossdistill.train.optim import build_optimizer
-from crossdistill.train.step import StepSettings, TeacherSlot, make_term, train_step
+from crossdistill.train.build import Components, build_components
+from crossdistill.train.step import StepSettings, make_term, train_step
 
 TINY = {
     "num_hidden_layers": 2,
@@ -33,19 +41,20 @@ TINY = {
 
 @dataclass
 class Bench:
-    device: torch.device
-    student: Any
-    tok_s: Any
-    slots: list[TeacherSlot]
-    optimizer: Any
+    cfg: Config
+    c: Components
     loader: Any
     settings: StepSettings
     teacher_ratio: list[float]
     workdir: Any
+    device: torch.device
 
 
-def _corpus(workdir: Path, min_bytes: int) -> Path:
-    """Real text from this machine: the Python standard library's sources, as JSONL."""
+def write_corpus(workdir: Path, args) -> Path:
+    """Real text from this machine, enough for every micro-batch `args` asks for: the Python
+    standard library's sources, as JSONL (the same text for the same Python version)."""
+    micro_batches = (args.warmup + args.steps) * args.grad_accum + 4
+    min_bytes = micro_batches * args.micro_batch * args.seq_len * 5
     from crossdistill.train.demo_assets import stdlib_corpus
 
     train, val = stdlib_corpus(max_files=2000, train_bytes=min_bytes, val_bytes=1)
@@ -56,49 +65,57 @@ def _corpus(workdir: Path, min_bytes: int) -> Path:
     return path
 
 
-def build_bench(args) -> Bench:
-    from crossdistill.train.build import build_projection_for
-
-    device = torch.device(args.device)
-    workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
-    tok_s = load_tokenizer(args.student_tokenizer)
-    toks_t = [load_tokenizer(t) for t in args.teacher_tokenizer]
-    overrides = TINY if args.tiny else {}
-    student = build_causal_lm(
-        arch=args.student, device=device, dtype=torch.float32, overrides=overrides, seed=0
+def bench_config(args, corpus: Path) -> Config:
+    """The `crossdistill train` config of the benchmark's run: random-init models of the
+    presets' shapes (`--tiny`: a few narrow layers), this machine's Python sources."""
+    cuda = torch.device(args.device).type == "cuda"
+    overrides = dict(TINY) if args.tiny else {}
+    model = {"overrides": overrides, "attn_implementation": args.attention, "compile": args.compile}
+    student = StudentConfig(
+        arch=args.student,
+        tokenizer=args.student_tokenizer,
+        dtype="float32",
+        activation_checkpointing=args.checkpoint_blocks > 0,
+        activation_checkpointing_blocks=args.checkpoint_blocks,
+        activation_checkpointing_scope=args.checkpoint_scope,
+        **model,
     )
-    rows_s = student.get_output_embeddings().weight.shape[0]
-    slots = []
-    for i, (arch, tok) in enumerate(zip(args.teacher, toks_t)):
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        model = build_causal_lm(
-            arch=arch, device=device, dtype=dtype, overrides=overrides, seed=1 + i
+    teachers = [
+        TeacherConfig(
+            name=f"{i}-{arch}",
+            arch=arch,
+            tokenizer=tok,
+            dtype="bfloat16" if cuda else "float32",
+            loss=args.loss,
+            top_k=args.top_k,
+            **model,
         )
-        tcfg = TeacherConfig(name=f"{i}-{arch}", arch=arch, loss=args.loss, top_k=args.top_k)
-        proj = build_projection_for(
-            tcfg, tok, tok_s, model.get_output_embeddings().weight.shape[0], rows_s, device
-        )
-        slots.append(TeacherSlot(Teacher(model, tcfg.name), tcfg, proj))
-    loader = bench_loader(args, Path(workdir.name), tok_s, toks_t, cuda=device.type == "cuda")
-    settings = StepSettings(
+        for i, (arch, tok) in enumerate(zip(args.teacher, args.teacher_tokenizer))
+    ]
+    data = DataConfig(
+        train=[str(corpus)],
+        seq_len=args.seq_len,
+        micro_batch_size=args.micro_batch,
+        num_workers=4 if cuda else 0,
+    )
+    train = TrainConfig(
+        steps=args.warmup + args.steps,
+        grad_accum=args.grad_accum,
         kd_ratio=0.5,
-        teacher_mode="weighted",
         loss_chunk_size=args.loss_chunk_size,
-        autocast=device.type == "cuda",
-        device=device,
+        device=args.device,
+        teacher_padding=args.teacher_padding,
+        loss_kernels=args.loss_kernels,
     )
-    if args.checkpoint_blocks:
-        from crossdistill.distributed.parallelize import apply_activation_checkpointing
+    return Config(student=student, teachers=teachers, data=data, optim=OptimConfig(), train=train)
 
-        student.train()
-        apply_activation_checkpointing(student, args.checkpoint_blocks, args.checkpoint_scope)
-    if args.compile:
-        from crossdistill.distributed.parallelize import apply_compile
 
-        for model in [student] + [slot.teacher.model for slot in slots]:
-            apply_compile(model)
-    optimizer = build_optimizer(student, OptimConfig())
-    bench = Bench(device, student, tok_s, slots, optimizer, iter(loader), settings, [], workdir)
+def build_bench(args) -> Bench:
+    workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
+    cfg = bench_config(args, write_corpus(Path(workdir.name), args))
+    c = build_components(cfg)
+    settings = StepSettings.of(cfg.train, c.device)
+    bench = Bench(cfg, c, iter(c.train_loader), settings, [], workdir, c.device)
     bench.teacher_ratio = first_ratio(next(bench.loader))  # the timed steps count their own
     return bench
 
@@ -107,24 +124,6 @@ def first_ratio(batch) -> list[float]:
     """Each teacher's non-pad tokens per non-pad student token in one batch."""
     n_s = int((batch.student.doc_ids >= 0).sum())
     return [float((tb.doc_ids >= 0).sum()) / max(n_s, 1) for tb in batch.teachers]
-
-
-def bench_loader(args, folder: Path, tok_s, toks_t, cuda: bool):
-    """The benchmark's loader: this interpreter's standard-library sources (written to
-    `folder`), enough for every micro-batch `args` asks for, through the real collator; the
-    same batches in the same order for the same arguments and Python version."""
-    from crossdistill.data import build_loader
-
-    steps = (args.warmup + args.steps) * args.grad_accum + 4
-    corpus = _corpus(folder, min_bytes=steps * args.micro_batch * args.seq_len * 5)
-    data_cfg = DataConfig(
-        train=[str(corpus)],
-        seq_len=args.seq_len,
-        micro_batch_size=args.micro_batch,
-        num_workers=4 if cuda else 0,
-        val_fraction=0.0,
-    )
-    return build_loader(data_cfg, tok_s, toks_t, split="train")
 
 
 def count_tokens(batch, counts: list[int]) -> None:
@@ -153,10 +152,11 @@ def _next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
 
 
 def _one_step(bench: Bench, window: list) -> None:
-    train_step(bench.student, bench.slots, window, bench.settings)
-    torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
-    bench.optimizer.step()
-    bench.optimizer.zero_grad(set_to_none=True)
+    c = bench.c
+    train_step(c.student, c.slots, window, bench.settings, c.placement)
+    torch.nn.utils.clip_grad_norm_(c.student.parameters(), 1.0)
+    c.optimizer.step()
+    c.optimizer.zero_grad(set_to_none=True)
 
 
 def timed_steps(bench: Bench, args) -> dict[str, float]:
@@ -168,7 +168,7 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     wait = 0.0
-    counts = [0] * (1 + len(bench.slots))
+    counts = [0] * (1 + len(bench.c.slots))
     graphs = _graphs_compiled()
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -217,164 +217,125 @@ def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
     return out
 
 
-def retimed_steps(bench: Bench, args, kind: str, name: str) -> dict[str, float]:
-    """The real step timed again under one switch: an optimisation undone (`kind` "ablate",
-    `ABLATIONS` in `bench.step`) or an alternative switched on ("variant", `VARIANTS`)."""
-    do, undo = _switch(bench, args, name)
-    do()
-    try:
-        out = timed_steps(bench, args)
-    finally:
-        undo()
-    return {f"{kind}/{name}/{k}": v for k, v in out.items() if k != "loader_fraction"}
+class Timer:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.totals: dict[str, float] = {}
 
-
-def _switch(bench: Bench, args, name: str) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(switch on, switch back) for one ablation or variant."""
-    from crossdistill.distributed.parallelize import apply_compile, remove_compile
-    from crossdistill.losses import targets
-    from crossdistill.models import attention
-
-    models = [bench.student] + [s.teacher.model for s in bench.slots]
-
-    def on_each(fn: Callable[[Any], None]) -> Callable[[], None]:
-        def run() -> None:
-            for model in models:
-                fn(model)
-
-        return run
-
-    if name == "eager":
-        return on_each(remove_compile), on_each(apply_compile if args.compile else lambda m: None)
-    if name == "sdpa":
-        return (
-            on_each(lambda m: set_attention(m, "sdpa")),
-            on_each(lambda m: set_attention(m, "varlen")),
-        )
-    if name == "torch-varlen":
-        return (
-            lambda: attention.set_varlen_backend("torch"),
-            lambda: attention.set_varlen_backend("flash"),
-        )
-    replaced = {  # name: (module, attribute, its value during the run)
-        "fp32-queries": (attention, "compute_dtype", lambda query: query.dtype),
-        "full-topk": (targets, "topk_by_blocks", lambda z, k: z.topk(k, dim=1)),
-        "bitmask-stats": (targets, "TARGET_FLOW", {"name": "bitmask"}),
-    }
-    if name not in replaced:
-        raise ValueError(f"unknown ablation or variant {name!r}")
-    module, attr, value = replaced[name]
-    old = getattr(module, attr)
-    return lambda: setattr(module, attr, value), lambda: setattr(module, attr, old)
+    @contextmanager
+    def __call__(self, name: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        yield
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - t0
 
 
 def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
     """The same work as a step, phase by phase with a device sync between phases (slower than
     the real step; used for the split only). Times are per optimizer step."""
-    from crossdistill.bench.step import Timer
-    from crossdistill.train.step import targets_from_hidden, teacher_hidden
-
-    dev, timer = bench.device, Timer(bench.device.type == "cuda")
+    c, dev, timer = bench.c, bench.device, Timer(bench.device.type == "cuda")
+    chunk = bench.settings.loss_chunk_size
+    autocast = bench.settings.autocast
     for i in range(repeats * args.grad_accum):
         batch = next(bench.loader).to(dev)
         labels = batch.student.labels.flatten()
         terms = []
-        for k, slot in enumerate(bench.slots):
+        for k, slot in enumerate(c.slots):
             tb = batch.teachers[k]
-            with timer(f"teacher_body/{slot.cfg.name}"):
-                hidden, rows = teacher_hidden(slot, tb, dev)
-            with timer(f"teacher_targets/{slot.cfg.name}"):
-                chunk = bench.settings.loss_chunk_size
-                targets = targets_from_hidden(slot, tb, hidden, rows, chunk, dev)
+            with timer(f"teacher/{slot.cfg.name}"):  # body, lm_head and top-k
+                targets = c.placement.teacher_targets(slot, k, tb, chunk)
             term = make_term(slot, tb, targets, dev)
             term.denominator = kd_count(term, labels).to(torch.float32)
             terms.append(term)
-        with (
-            timer("student_body_forward"),
-            torch.autocast(dev.type, torch.bfloat16, enabled=bench.settings.autocast),
-        ):
+        with timer("student_body_forward"), torch.autocast(dev.type, torch.bfloat16, autocast):
             hidden_s = final_hidden(
-                bench.student,
+                c.student,
                 batch.student.input_ids,
                 batch.student.position_ids,
                 segments_of(batch.student, dev),
             )
-        with (
-            timer("student_loss"),
-            torch.autocast(dev.type, torch.bfloat16, enabled=bench.settings.autocast),
-        ):
+        with timer("student_loss"), torch.autocast(dev.type, torch.bfloat16, autocast):
             loss, _ = student_loss(
                 hidden_s.flatten(0, 1),
-                bench.student.get_output_embeddings().weight,
+                c.student.get_output_embeddings().weight,
                 labels,
                 terms,
-                kd_ratio=0.5,
-                chunk_size=bench.settings.loss_chunk_size,
+                kd_ratio=bench.settings.kd_ratio,
+                chunk_size=chunk,
             )
         with timer("backward"):
             loss.backward()
         if (i + 1) % args.grad_accum:
             continue  # the optimizer steps once per window of micro-batches
         with timer("optimizer"):
-            torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
-            bench.optimizer.step()
-            bench.optimizer.zero_grad(set_to_none=True)
+            torch.nn.utils.clip_grad_norm_(c.student.parameters(), 1.0)
+            c.optimizer.step()
+            c.optimizer.zero_grad(set_to_none=True)
     total = sum(timer.totals.values())
     out = {f"ms/{k}": 1e3 * v / repeats for k, v in timer.totals.items()}
-    loss_time = sum(
-        v for k, v in timer.totals.items() if k.startswith("teacher_targets") or k == "student_loss"
-    )
-    out["loss_fraction"] = loss_time / total  # both loss phases: student pass + teacher targets
+    teachers = sum(v for k, v in timer.totals.items() if k.startswith("teacher/"))
     # the student's pass alone (CE and every teacher's KD terms, lm_head forward and backward
-    # included), and the teachers' top-k extraction (their lm_head and top-k)
+    # included), and the teachers (bodies, lm_heads and top-k)
     out["student_loss_fraction"] = timer.totals.get("student_loss", 0.0) / total
-    out["teacher_targets_fraction"] = (
-        sum(v for k, v in timer.totals.items() if k.startswith("teacher_targets")) / total
-    )
+    out["teacher_fraction"] = teachers / total
     return out
 
 
 def naive_step(bench: Bench, args) -> dict[str, float]:
-    """What a user writes without this library, same models, same student batch: full logits,
-    fp32 log-softmax, forward KL over the shared leading vocabulary ids (no alignment), CE,
-    transformers' SDPA attention (packed documents through position ids). Runs last: it drops
-    our optimizer and switches the models' attention."""
+    """What a user writes without this library, same architectures, same student batches: full
+    logits, fp32 log-softmax, forward KL over the shared leading vocabulary ids (no alignment),
+    CE, transformers' SDPA attention (packed documents through position ids), eager modules,
+    no recomputation. Runs last, on models of its own: ours are dropped first."""
     import torch.nn.functional as F
 
-    dev = bench.device
-    bench.optimizer.zero_grad(set_to_none=True)
-    bench.optimizer = None  # free our optimizer state: the baseline brings its own
-    from crossdistill.distributed.parallelize import remove_compile, remove_recompute
+    from crossdistill.models import build_causal_lm
 
-    for model in [bench.student] + [s.teacher.model for s in bench.slots]:
-        set_attention(model, "sdpa")  # transformers' default: the block mask from positions
-        remove_compile(model)  # plain eager modules
-        remove_recompute(model)  # and no recomputation (`--checkpoint-blocks`)
+    dev, cfg = bench.device, bench.cfg
+    batches = [
+        [next(bench.loader).to(dev) for _ in range(args.grad_accum)] for _ in range(args.steps)
+    ]
+    bench.c = None  # free our models and optimizer state: the baseline brings its own
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    opt = torch.optim.AdamW(bench.student.parameters(), lr=1e-5, fused=dev.type == "cuda")
+
+    def plain(m, dtype: torch.dtype, seed: int):
+        return build_causal_lm(
+            arch=m.arch,
+            device=dev,
+            dtype=dtype,
+            overrides=m.overrides,
+            attn_implementation="sdpa",
+            seed=seed,
+        )
+
+    student = plain(cfg.student, torch.float32, 0)
+    t_dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    teachers = [
+        plain(t, t_dtype, 1 + i).eval().requires_grad_(False) for i, t in enumerate(cfg.teachers)
+    ]
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-5, fused=dev.type == "cuda")
 
     def step(window: list) -> None:
         for batch in window:
             micro_step(batch, scale=1 / len(window))
-        torch.nn.utils.clip_grad_norm_(bench.student.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     def micro_step(batch, scale: float) -> None:
-        ids, labels = batch.student.input_ids, batch.student.labels
+        sb = batch.student
+        ids, labels, pos = sb.input_ids, sb.labels, sb.position_ids
         with torch.autocast(dev.type, torch.bfloat16, enabled=dev.type == "cuda"):
-            logits_s = bench.student(
-                input_ids=ids, position_ids=batch.student.position_ids, use_cache=False
-            ).logits
+            logits_s = student(input_ids=ids, position_ids=pos, use_cache=False).logits
             kl = 0.0
-            for slot in bench.slots:
+            for teacher in teachers:
                 with torch.no_grad():
-                    v_t = slot.teacher.lm_head_weight.shape[0]
-                    logits_t = slot.teacher.model(
-                        input_ids=ids.clamp(max=v_t - 1),
-                        position_ids=batch.student.position_ids,
-                        use_cache=False,
+                    v_t = teacher.get_output_embeddings().weight.shape[0]
+                    logits_t = teacher(
+                        input_ids=ids.clamp(max=v_t - 1), position_ids=pos, use_cache=False
                     ).logits
                 v = min(v_t, logits_s.shape[-1])
                 logp_t = F.log_softmax(logits_t.float(), -1)[..., :v]
@@ -384,12 +345,9 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
             ce = F.cross_entropy(
                 logits_s.float().flatten(0, 1), labels.flatten(), ignore_index=-100
             )
-            loss = 0.5 * ce + 0.5 * kl / max(len(bench.slots), 1)
+            loss = 0.5 * ce + 0.5 * kl / max(len(teachers), 1)
         (loss * scale).backward()
 
-    batches = [
-        [next(bench.loader).to(dev) for _ in range(args.grad_accum)] for _ in range(args.steps)
-    ]
     try:
         for b in batches[: args.warmup]:
             step(b)

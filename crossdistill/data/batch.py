@@ -73,7 +73,7 @@ class TeacherBatch:
     cu_seqlens / max_seqlen: the teacher's attention segments, as for the student.
     real_index / real_cu_seqlens / real_max_seqlen (cross teachers): the flat positions of the
         non-pad tokens `[N]` and their segments once the padding is dropped, so the teacher's
-        body can run on `[1, N]` instead of `[B, T_t]` (see `train.step.teacher_hidden`).
+        body can run on `[1, N]` instead of `[B, T_t]` (`distributed.runtime.Placement`).
     target_bytes: `[B, T_t]` bytes of the text each label covers, as the student's: over the
         same text both sides' sums are equal (the teacher's bits per byte divides by it).
     """

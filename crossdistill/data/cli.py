@@ -108,7 +108,7 @@ def _show(table, token_id: int) -> str:
 
 
 def _print_alignment(pipeline, text: str) -> None:
-    from crossdistill.alignment.chunks import align
+    from crossdistill.alignment.align import align
 
     (ids_s,), (ids_t,) = pipeline.encode([text])
     result = align(ids_s, ids_t, pipeline.bytes_s, pipeline.bytes_t)

@@ -1,4 +1,5 @@
-"""Build a model already laid out over the ranks, reading only this rank's shards.
+"""Build a model already laid out over the ranks (one rank included), reading only this rank's
+shards.
 
 From a checkpoint folder: meta-device modules -> `parallelize_model` (still on meta) -> storage
 for this rank's shards only (`to_empty`) -> each parameter's local block read straight from the
@@ -26,10 +27,10 @@ from crossdistill.distributed.parallelize import parallelize_model
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
 from crossdistill.models.loading import (
-    _rebuild_rotary,
     build_causal_lm,
     build_meta_model,
     checkpoint_files,
+    materialize,
     parse_dtype,
 )
 
@@ -81,8 +82,7 @@ def build_parallel_model(
     )
     layout.check_model(model.config)
     parallelize_model(model, layout, mesh, **options)
-    model.to_empty(device=device)
-    _rebuild_rotary(model, device)
+    materialize(model, device)
     load_local_shards(model, mcfg.path, fused_params(model, model.config, layout.tp))
     return model
 

@@ -157,15 +157,6 @@ def _recompute_in_backward(module: nn.Module, elementwise_only: bool = False) ->
     module.forward = recomputed
 
 
-def remove_recompute(model: nn.Module) -> None:
-    """Undo activation checkpointing of either scope (the modules run plainly again)."""
-    for module in model.modules():
-        if hasattr(vars(module).get("forward"), "recomputes"):
-            del module.forward
-        if getattr(module, "gradient_checkpointing", False):
-            module.gradient_checkpointing = False
-
-
 def apply_compile(model: nn.Module) -> None:
     """`torch.compile` each transformer block in place (names and state dict unchanged), with
     dynamic shapes: a teacher's row length changes from batch to batch, and so do the
@@ -173,7 +164,7 @@ def apply_compile(model: nn.Module) -> None:
     compiled graphs (`varlen_attention` is opaque to them); what compiling fuses is the rest:
     norms, rotary embedding, the gated MLP's activation, residual adds; and queries and keys
     leave the rotary kernel laid out as flash wants them (`token_major_rotary`)."""
-    from crossdistill.models import attention  # looked up here: a comparison can switch it off
+    from crossdistill.models import attention
 
     for layer in decoder_layers(model):
         attn = getattr(layer, "self_attn", None)
@@ -197,12 +188,6 @@ def apply_block_options(
         apply_activation_checkpointing(model, checkpoint_blocks, checkpoint_scope)
     if compile_blocks:
         apply_compile(model)
-
-
-def remove_compile(model: nn.Module) -> None:
-    """Undo `apply_compile` (the blocks run eagerly again)."""
-    for layer in decoder_layers(model):
-        layer._compiled_call_impl = None
 
 
 def apply_fsdp(

@@ -1,34 +1,68 @@
-"""The training step laid out over a `torchrun` job (the `Placement` of `train/step.py`).
+"""Where the training step's pieces run and what is summed across ranks: one `Placement` for
+every layout. A single process is its one-rank case: every mesh is None, every reduction the
+identity, and the same code runs (as torchtitan runs world size 1 through its parallel path).
 
 Each model has its own layout (`Placed`). The data a rank reads is decided by the student's
 data-parallel coordinate. A teacher whose tensor/context-parallel group spans ranks that read
 different data first gathers those ranks' teacher inputs (a few int64 tensors), runs once on all
 of them together, and each rank keeps the targets of its own micro-batch: top-k targets, never
 logits, are what crosses layouts, and only inputs travel.
+
+The teacher forward (`Placement.teacher_targets`) is the one place a teacher runs, for training,
+validation and whatever else needs its targets. A cross teacher's body runs on its non-pad
+tokens only (`[1, N]` instead of the padded `[B, T_t]`) wherever flash varlen attention covers
+every layer and the rows are this rank's own (no context-parallel split, no rows gathered from
+other ranks): there the rows need no shape of their own, and the padding's share of the
+teacher's FLOPs is saved (cross teachers pad every row to the longest, rounded up).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from crossdistill.config import TeacherConfig
 from crossdistill.distributed import cp as cpmod
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.distributed.vocab import local_vocab
-from crossdistill.losses import TeacherTargets, kd_positions, teacher_targets
+from crossdistill.losses import (
+    KDTerm,
+    TeacherTargets,
+    VocabProjection,
+    kd_positions,
+    teacher_targets,
+)
 from crossdistill.losses.sharding import RowShard
-from crossdistill.models.attention import segments_of
+from crossdistill.models.attention import flash_covers, segments_of
+from crossdistill.models.teacher import Teacher
+
+LN2 = math.log(2.0)
+# Whether a cross teacher's body runs on its non-pad tokens: "auto" where flash varlen attention
+# covers every layer (the masked fallback would cost N² instead of B·T_t²), "drop" always,
+# "keep" never (the padded rows, as a comparison).
+TeacherPadding = Literal["auto", "drop", "keep"]
 
 _MESHES: dict[tuple[int, ...], Any] = {}
 
 
+@dataclass
+class TeacherSlot:
+    """A teacher with everything the step needs about it."""
+
+    teacher: Teacher
+    cfg: TeacherConfig
+    projection: VocabProjection
+
+
 def mesh_for(layout: ParallelLayout, device_type: str) -> Any:
-    """One mesh per distinct layout shape (models with equal layouts share process groups)."""
+    """One mesh per distinct layout shape (models with equal layouts share process groups);
+    None for one rank."""
     if layout.world_size == 1:
         return None
     key = layout.shape
@@ -51,14 +85,25 @@ class Placed:
         return None if self.mesh is None else self.mesh[axis].get_group()
 
 
-class Parallel:
-    """`Placement` for a job of several processes (see module doc)."""
+def _to(x: Tensor, device: torch.device) -> Tensor:
+    return x.to(device, non_blocking=True)
 
-    def __init__(self, env: DistEnv, student: Placed, teachers: list[Placed]):
+
+class Placement:
+    """The step laid out over the job's ranks (see module doc)."""
+
+    def __init__(
+        self,
+        env: DistEnv,
+        student: Placed,
+        teachers: list[Placed],
+        teacher_padding: TeacherPadding = "auto",
+    ):
         self.env = env
         self.student = student
         self.teachers = teachers
         self.device = env.device
+        self.teacher_padding = teacher_padding
         self.data_rank = student.rank("dp")
         self.data_size = student.layout.dp
         self.sources = [self._sources(t) for t in teachers]
@@ -76,48 +121,95 @@ class Parallel:
         first = {r: ranks.index(r) for r in ranks}
         return group, [first[r] for r in ranks]
 
-    def teacher_targets(self, slot: Any, k: int, tb: Any, chunk_size: int) -> TeacherTargets:
-        group, owners = self.sources[k]
-        ids, pos = tb.input_ids.to(self.device), tb.position_ids.to(self.device)
-        labels = tb.labels.to(self.device)
-        _, kd_rows = kd_positions(tb.chunks.to(self.device))
-        if len(set(owners)) == 1:
-            segments = segments_of(tb, self.device)
-            return self._run_teacher(
-                slot, k, ids, pos, labels.flatten(), kd_rows, chunk_size, segments
-            )
-        joint = _gather_inputs(ids, pos, labels, kd_rows, group, owners)
-        targets = self._run_teacher(
-            slot, k, joint.ids, joint.pos, joint.labels.flatten(), joint.kd_rows, chunk_size
-        )
-        return joint.mine(targets, ids.shape)
-
     @torch.no_grad()
-    def _run_teacher(
-        self, slot, k, ids, pos, labels, kd_rows, chunk_size, segments=None
+    def teacher_targets(
+        self, slot: TeacherSlot, k: int, tb: Any, chunk_size: int, fused: bool | None = None
     ) -> TeacherTargets:
-        """`segments`: the rows' attention segments when they are this rank's own batch (rows
-        gathered from several ranks derive theirs from the positions)."""
-        placed = self.teachers[k]
+        """Teacher `k`'s targets (top-k at the KD positions, next-token log-probs everywhere)
+        for this rank's micro-batch `tb`, in `tb`'s padded coordinates. `fused`: as for
+        `losses.teacher_targets`."""
+        group, owners = self.sources[k]
+        ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)
+        labels = _to(tb.labels, self.device).flatten()
+        _, kd_rows = kd_positions(_to(tb.chunks, self.device))
+        if len(set(owners)) > 1:  # the teacher's group reads several ranks' data: run them all
+            joint = _gather_inputs(ids, pos, labels.view(ids.shape), kd_rows, group, owners)
+            hidden = self._hidden(slot, joint.ids, joint.pos, None)
+            targets = self._targets(
+                slot, k, hidden, joint.kd_rows, joint.labels.flatten(), chunk_size, fused
+            )
+            return joint.mine(targets, ids.shape)
+        rows = self._real_rows(slot, tb)
+        if rows is None:
+            hidden = self._hidden(slot, ids, pos, segments_of(tb, self.device))
+            return self._targets(slot, k, hidden, kd_rows, labels, chunk_size, fused)
+        # the non-pad tokens only: `[1, N]`, their segments from the collator
+        segments = (_to(tb.real_cu_seqlens, self.device), tb.real_max_seqlen)
+        flat = [x.view(1, -1).index_select(1, rows) for x in (ids, pos)]
+        hidden = self._hidden(slot, *flat, segments)
+        where = torch.full_like(labels, -1).index_copy_(
+            0, rows, torch.arange(rows.numel(), device=self.device)
+        )  # padded position -> position among the non-pad tokens
+        kd_real = torch.where(kd_rows >= 0, where[kd_rows.clamp(min=0)], -1)
+        targets = self._targets(
+            slot, k, hidden, kd_real, labels.index_select(0, rows), chunk_size, fused
+        )
+        # next-token results back over the padded rows
+        targets.next_logprobs = targets.next_logprobs.new_zeros(labels.numel()).index_copy_(
+            0, rows, targets.next_logprobs
+        )
+        targets.next_valid = labels >= 0
+        return targets
+
+    def _real_rows(self, slot: TeacherSlot, tb: Any) -> Tensor | None:
+        """The flat positions of `tb`'s non-pad tokens on the device where the teacher's body
+        runs on them alone (see module doc), else None."""
+        index = getattr(tb, "real_index", None)
+        if self.teacher_padding == "keep" or index is None or tb.real_max_seqlen == 0:
+            return None
+        if getattr(slot.teacher.model, "cp_state", None) is not None:
+            return None  # context parallelism splits the padded rows
+        if self.teacher_padding == "auto" and not flash_covers(
+            slot.teacher.model, self.device, tb.real_max_seqlen
+        ):
+            return None
+        return _to(index, self.device)
+
+    def _hidden(self, slot: TeacherSlot, ids: Tensor, pos: Tensor, segments) -> Tensor:
+        """`[rows, H_t]` final hidden states of a teacher (rows of the given `[B, T]` inputs,
+        flattened); under context parallelism the sequence is split over the group and the
+        hidden states gathered back."""
         model = slot.teacher.model
         state = getattr(model, "cp_state", None)
         if state is not None:
             local_pos = state.begin(pos)
             hidden = model_hidden(model, cpmod.shard_rows(ids, state.size, state.rank), local_pos)
-            hidden = cpmod.gather_hidden(hidden, state)
-        else:
-            hidden = model_hidden(model, ids, pos, segments)
-        weight, vocab = local_vocab(slot.teacher.lm_head_weight, placed.group("tp"))
+            return cpmod.gather_hidden(hidden, state).flatten(0, 1)
+        return model_hidden(model, ids, pos, segments).flatten(0, 1)
+
+    def _targets(
+        self,
+        slot: TeacherSlot,
+        k: int,
+        hidden: Tensor,
+        kd_rows: Tensor,
+        labels: Tensor,
+        chunk_size: int,
+        fused: bool | None,
+    ) -> TeacherTargets:
+        weight, vocab = local_vocab(slot.teacher.lm_head_weight, self.teachers[k].group("tp"))
         out = teacher_targets(
-            hidden.flatten(0, 1),
+            hidden,
             weight,
             kd_rows,
             labels,
             top_k=min(slot.cfg.top_k, weight.shape[0] if vocab is None else vocab.total),
             temperature=slot.cfg.temperature,
             chunk_size=chunk_size,
+            fused=fused,
             **({} if vocab is None else {"vocab": vocab}),
         )
+        model = slot.teacher.model
         if hasattr(model, "reshard"):
             model.reshard()  # a frozen model keeps nothing gathered between steps
         return out
@@ -125,7 +217,9 @@ class Parallel:
     # ------------------------------------------------------------------ student
 
     def student_hidden(self, student: nn.Module, sb: Any) -> tuple[Tensor, RowShard | None]:
-        ids, pos = sb.input_ids.to(self.device), sb.position_ids.to(self.device)
+        """`[N, H]` final hidden states of the rows this rank holds, and the row sharding to pass
+        to `student_loss` (None: all rows)."""
+        ids, pos = _to(sb.input_ids, self.device), _to(sb.position_ids, self.device)
         state = getattr(student, "cp_state", None)
         if state is None:
             segments = segments_of(sb, self.device)
@@ -134,10 +228,11 @@ class Parallel:
         local_pos = state.begin(pos)
         hidden = model_hidden(student, cpmod.shard_rows(ids, state.size, state.rank), local_pos)
         rows = cpmod.global_rows(batch, length, state.size, state.rank, ids.device)
-        group = state.group
-        return hidden.flatten(0, 1), RowShard(rows, batch * length, _summer(group))
+        return hidden.flatten(0, 1), RowShard(rows, batch * length, _summer(state.group))
 
     def lm_head(self, student: nn.Module) -> tuple[Tensor, Any]:
+        """The lm_head weight this rank holds (`[V_s, H]` or a vocabulary shard) and the vocab
+        sharding to pass to `student_loss` (None: the whole vocabulary)."""
         return local_vocab(student.get_output_embeddings().weight, self.student.group("tp"))
 
     # ------------------------------------------------------------------ reductions
@@ -166,6 +261,39 @@ class Parallel:
         if self.student.layout.dp * self.student.layout.cp > 1:
             dist.all_reduce(x, group=self.student.group("loss"))
         return x
+
+
+def shard_kwargs(rows: Any, vocab: Any) -> dict[str, Any]:
+    """`student_loss` keyword arguments for a sharded student (none for a whole one)."""
+    out = {}
+    if rows is not None:
+        out["rows"] = rows
+    if vocab is not None:
+        out["vocab"] = vocab
+    return out
+
+
+def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KDTerm:
+    """Teacher `slot`'s KD term on micro-batch `tb` (its denominator and weight are set by the
+    caller, from the whole global batch)."""
+    params = {"beta": slot.cfg.beta, "alpha": slot.cfg.alpha}
+    return KDTerm(
+        targets=targets,
+        projection=slot.projection,
+        chunks=_to(tb.chunks, device),
+        denominator=torch.zeros((), device=device),
+        loss=slot.cfg.loss,
+        weight=slot.cfg.weight,
+        params=params,
+        chunk_mask=_to(tb.kd_valid, device),
+        name=slot.cfg.name,
+    )
+
+
+def target_bytes(tb: Any, device: torch.device) -> Tensor:
+    """Σ bytes of the text the teacher's valid next tokens cover: the denominator of its bits
+    per byte, the same text bytes as the student's over the same text (see `TeacherBatch`)."""
+    return _to(tb.target_bytes, device).sum()
 
 
 def _summer(group: Any):

@@ -1,5 +1,6 @@
 """Layouts of a run: resolved and checked from the config before anything heavy is loaded, then
-the meshes and the parallel models built from them."""
+the meshes and the models built from them. One process is the one-rank case: its layouts are
+all degrees 1, it has no mesh, and its models are built by the same steps."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 from crossdistill.config import Config, ModelConfig, ParallelConfig
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.loading import build_parallel_model
-from crossdistill.distributed.runtime import Parallel, Placed, mesh_for
+from crossdistill.distributed.runtime import Placed, Placement, TeacherPadding, mesh_for
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
 
@@ -50,17 +51,20 @@ def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> Ru
     return RunLayouts(student, teachers)
 
 
-def build_placement(env: DistEnv, layouts: RunLayouts) -> Parallel:
-    """Meshes for every layout (shared between equal layouts) and the step's placement."""
+def build_placement(
+    env: DistEnv, layouts: RunLayouts, teacher_padding: TeacherPadding = "auto"
+) -> Placement:
+    """Meshes for every layout (shared between equal layouts; none for one rank) and the
+    step's placement."""
     kind = env.device.type
     student = Placed(layouts.student, mesh_for(layouts.student, kind))
     teachers = [Placed(t, mesh_for(t, kind)) for t in layouts.teachers]
-    return Parallel(env, student, teachers)
+    return Placement(env, student, teachers, teacher_padding)
 
 
 def parallel_models(
     cfg: Config,
-    placement: Parallel,
+    placement: Placement,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, list[nn.Module], dict[str, torch.Tensor]]:
@@ -68,8 +72,8 @@ def parallel_models(
     (needed to export and checkpoint it under tensor parallelism). `reshard_after_forward`
     and `param_dtype` are for the student's FSDP (see `parallelize_model`); on CUDA the step
     computes under bf16 autocast, so by default FSDP gathers the student's parameters in bf16
-    (half the traffic; gradients are reduced in float32 into the float32 master weights).
-    Measured on 2 x H200: 94% weak-scaling efficiency against 86% for float32 gathers."""
+    (half the traffic; gradients are reduced in float32 into the float32 master weights; the
+    measured gain is in benchmarks/README.md, "Scale-out")."""
     s, dev = cfg.student, placement.device
     if param_dtype is None and dev.type == "cuda":
         param_dtype = torch.bfloat16

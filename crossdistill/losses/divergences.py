@@ -201,9 +201,8 @@ def gold(
     logq_rest_t: Tensor,
     logp_rest_s: Tensor,
     mask: Tensor | None = None,
-    uld_weight: float = 1.0,
 ) -> Tensor:
-    """Forward KL over the common vocabulary plus ULD on the rest.
+    """Forward KL over the common vocabulary plus ULD on the rest, with equal weight.
 
     `logq_common_t`, `logp_common_s` `[M, B + 1]`: the common-vocabulary tokens (teacher tokens
     whose projection is an exact string match) as buckets, the last column one bucket for all
@@ -211,7 +210,7 @@ def gold(
     `logp_rest_s [M, K_s]`: unnormalized probabilities of non-common tokens (teacher top-k, the
     student's top-k among its non-common tokens), compared by sorted-probability L1."""
     kl = forward_kl(logq_common_t, logp_common_s, mask)
-    return kl + uld_weight * uld(logq_rest_t, logp_rest_s, mask)
+    return kl + uld(logq_rest_t, logp_rest_s, mask)
 
 
 def log1mexp(x: Tensor) -> Tensor:

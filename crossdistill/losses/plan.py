@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from crossdistill.config import LOSSES
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
 from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
 from crossdistill.losses.targets import TeacherTargets
 
 NEG_INF = float("-inf")
-DISTRIBUTION_LOSSES = ("forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd")
-LOSSES = DISTRIBUTION_LOSSES + ("gold", "uld", "chunk_likelihood")
 
 
 @dataclass
@@ -35,8 +34,8 @@ class KDTerm:
     After offsetting, a chunk that starts sequence b > 0 no longer has `s0 == 0`: build both
     with `flatten_chunks`, which masks those chunks out in `chunk_mask`.
     `denominator` is this term's *global* valid count (`kd_count`, summed over micro-batches and
-    ranks); the term is `τ²·Σ D / denominator`. `params`: `beta` (jsd), `alpha` (skew_kl),
-    `uld_weight` (gold). `chunk_mask [C]`: False keeps a chunk out of KD (template tokens)."""
+    ranks); the term is `τ²·Σ D / denominator`. `params`: `beta` (jsd), `alpha` (skew_kl).
+    `chunk_mask [C]`: False keeps a chunk out of KD (template tokens)."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -182,7 +181,6 @@ class Plan:
     ce_weight: Tensor  # [N] (1 − kd_ratio)/ce_denominator on labeled rows
     ce_report: Tensor  # [N] 1/ce_denominator on labeled rows
     terms: list[TermPlan]
-    kd_ratio: float
     num_ce: Tensor
 
     @property
@@ -230,7 +228,6 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int) -> list[Part]:
         exact_t = exact.exact[tg.topk_ids.long()]
         rest_t = torch.where(exact_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
         rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=proj.common_student())
-        rest.scale = float(term.params.get("uld_weight", 1.0))
         return [common, rest]
     b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj)
     ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
@@ -309,7 +306,6 @@ def build_plan(
         ce_weight=labeled * ((1.0 - kd_ratio) * inv),
         ce_report=labeled * inv,
         terms=plans,
-        kd_ratio=kd_ratio,
         num_ce=(labels >= 0).sum(),
     )
 

@@ -125,6 +125,7 @@ def teacher_targets(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     vocab: VocabShard | None = None,
+    fused: bool | None = None,
 ) -> TeacherTargets:
     """Top-k targets at `kd_index_t` and next-token log-probs everywhere, in sequence chunks.
 
@@ -137,6 +138,9 @@ def teacher_targets(
 
     `vocab`: `lm_head_t` holds this rank's vocabulary rows only (tensor parallelism); softmax
     statistics are combined across ranks and the top-k is the top-k of every rank's top-k.
+
+    `fused`: the vocabulary-wide pass in one kernel per chunk (`fused_chunk`); None = where it
+    applies (CUDA with Triton, half-precision hidden states), False = the PyTorch code.
     """
     width = vocab.total if vocab is not None else lm_head_t.shape[0]
     if not 0 < top_k <= width:
@@ -150,7 +154,7 @@ def teacher_targets(
     num_rows, acc = hidden_t.shape[0], _acc(hidden_t)
     top_lp, top_ids, tail, next_lp = _buffers(hidden_t, top_k)
     tail_floor = _tail_floor(top_k, width)
-    fused = _use_fused(hidden_t)
+    fused = _use_fused(hidden_t) if fused is None else fused and _use_fused(hidden_t)
     for r0 in range(0, num_rows, chunk_size):
         r1 = min(r0 + chunk_size, num_rows)
         if fused:

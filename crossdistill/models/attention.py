@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 VARLEN = "crossdistill_varlen"
-ATTENTION_CHOICES = ("auto", "varlen", "sdpa", "eager", "flex_attention", "flash_attention_2")
 
 
 def resolve_attention(name: str, config: Any = None) -> str:
@@ -110,19 +109,6 @@ def _flash_varlen():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-# Which kernel runs the varlen call on CUDA: "flash" = PyTorch's FlashAttention-2 operators
-# called directly (grouped-query attention native, no key/value head copies); "torch" =
-# `torch.nn.attention.varlen.varlen_attn`, which picks its own backend (cuDNN on some builds).
-BACKENDS = ("flash", "torch")
-_BACKEND = {"name": "flash"}
-
-
-def set_varlen_backend(name: str) -> None:
-    if name not in BACKENDS:
-        raise ValueError(f"varlen backend must be one of {BACKENDS}, got {name!r}")
-    _BACKEND["name"] = name
-
-
 def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = None) -> bool:
     """Whether the flash kernel runs `query` (computing in `dtype`, default its own)."""
     if not query.is_cuda or (dtype or query.dtype) not in (torch.float16, torch.bfloat16):
@@ -130,8 +116,8 @@ def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = 
     head_dim = query.shape[-1]
     if head_dim > 256 or head_dim % 8:
         return False
-    if _BACKEND["name"] == "flash" and hasattr(torch.ops.aten, "_flash_attention_forward"):
-        return True
+    if hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return True  # PyTorch's FlashAttention-2 operators, called directly (native GQA)
     found = _flash_varlen()
     default_scale = scaling is None or math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6)
     return found is not None and ("scale" in found[1] or default_scale)
@@ -189,7 +175,7 @@ def varlen_attention(
         return _masked_sdpa(query, key, value, cu, scaling, window), None
     q, k, v = (_flat(x, dtype) for x in (query, key, value))
     cu = cu.to(device=q.device, dtype=torch.int32)
-    if _BACKEND["name"] == "flash" and hasattr(torch.ops.aten, "_flash_attention_forward"):
+    if hasattr(torch.ops.aten, "_flash_attention_forward"):
         out = _FlashVarlen.apply(q, k, v, cu, max_len, scaling)
         return out.view(b, t, h, d), None
     fn, params = _flash_varlen()

@@ -129,12 +129,17 @@ def build_meta_model(
 
 
 def materialize(model: nn.Module, device: str | torch.device) -> None:
-    """Allocate the meta model's storage on `device` and rebuild non-persistent buffers
-    (rotary frequencies), which `to_empty` leaves uninitialised."""
+    """Allocate the meta model's storage on `device` (this rank's shards only, for a model
+    already laid out over ranks) and rebuild non-persistent buffers (rotary frequencies), which
+    `to_empty` leaves uninitialised. `to_empty` gives each module a new parameter, so plain
+    tied weights are tied again; sharded ones (DTensor) kept their ties through the layout."""
+    from torch.distributed.tensor import DTensor
+
     model.to_empty(device=device)
     _rebuild_rotary(model, torch.device(device))
     _init_non_persistent_buffers(model)
-    model.tie_weights()
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        model.tie_weights()
 
 
 def _rebuild_rotary(model: nn.Module, device: torch.device) -> None:

@@ -11,13 +11,11 @@ import torch
 from torch import nn
 
 from crossdistill.config import Config, TeacherConfig
-from crossdistill.distributed.layout import DistEnv
-from crossdistill.errors import UserError
+from crossdistill.distributed.layout import DistEnv, init_distributed
+from crossdistill.distributed.runtime import Placement, TeacherSlot
 from crossdistill.losses import VocabProjection
-from crossdistill.models import Teacher, build_causal_lm, load_tokenizer, tokenizer_fingerprint
-from crossdistill.models.loading import parse_dtype
+from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
 from crossdistill.train.optim import build_optimizer, build_scheduler
-from crossdistill.train.step import Placement, SingleProcess, TeacherSlot
 from crossdistill.train.validate import check_vocab, validate_config
 
 
@@ -34,16 +32,8 @@ class Components:
     val_loader: Any
     teacher_bpb: dict[str, float]
     env: DistEnv = field(default_factory=DistEnv)
-    placement: Placement | None = None  # how the step is laid out (set by `build_components`)
+    placement: Placement | None = None  # how the step is laid out over the job's ranks
     fused: dict[str, torch.Tensor] = field(default_factory=dict)  # TP row orders (see tp_plans)
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"train.device={name} but no CUDA device is visible; use train.device=cpu")
-    return torch.device(name)
 
 
 def build_projection_for(
@@ -92,21 +82,17 @@ def _padded(
 
 
 def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
-    """Tokenizers, projections, models, optimizer and loaders for `cfg`; under `torchrun`
-    (`env` of several processes) every model in its own layout, loaded sharded."""
+    """Tokenizers, projections, models, optimizer and loaders for `cfg`, every model in its
+    layout over the job's ranks (`env`; default: this process's, as `init_distributed` finds
+    it: one rank outside `torchrun`), loaded shard by shard."""
+    from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
 
-    env = env or DistEnv()
+    env = env or init_distributed(cfg.train.device)
     resolved_s, resolved_t = validate_config(cfg)
-    layouts = None
-    if env.distributed:
-        from crossdistill.distributed.setup import plan_layouts
-
-        layouts = plan_layouts(
-            cfg, env.world_size, resolved_s.hf_config, [r.hf_config for r in resolved_t]
-        )
-        device = env.device
-    else:
-        device = pick_device(cfg.train.device)
+    layouts = plan_layouts(
+        cfg, env.world_size, resolved_s.hf_config, [r.hf_config for r in resolved_t]
+    )
+    device = env.device
     tok_s = load_tokenizer(resolved_s.tokenizer_spec)
     toks_t = [load_tokenizer(r.tokenizer_spec) for r in resolved_t]
     check_vocab(resolved_s, tok_s)
@@ -117,22 +103,15 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
         build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
         for t, tok, r in zip(cfg.teachers, toks_t, resolved_t)
     ]
-    if layouts is None:
-        placement: Placement = SingleProcess(device)
-        train_loader, val_loader = _loaders(cfg, tok_s, toks_t, 0, 1)
-        student, models_t, fused = _single_models(cfg, device), None, {}
-    else:
-        from crossdistill.distributed.setup import build_placement, parallel_models
-
-        placement = build_placement(env, layouts)
-        train_loader, val_loader = _loaders(
-            cfg, tok_s, toks_t, placement.data_rank, placement.data_size
-        )
-        student, models_t, fused = parallel_models(cfg, placement)
-    slots = []
-    for i, (t, proj) in enumerate(zip(cfg.teachers, projections)):
-        model = _single_teacher(cfg, t, device) if models_t is None else models_t[i]
-        slots.append(TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj))
+    placement = build_placement(env, layouts, cfg.train.teacher_padding)
+    train_loader, val_loader = _loaders(
+        cfg, tok_s, toks_t, placement.data_rank, placement.data_size
+    )
+    student, models_t, fused = parallel_models(cfg, placement)
+    slots = [
+        TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj)
+        for t, model, proj in zip(cfg.teachers, models_t, projections)
+    ]
     optimizer = build_optimizer(student, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     return Components(
@@ -163,42 +142,3 @@ def _loaders(cfg: Config, tok_s, toks_t, rank: int, world_size: int) -> tuple[An
         cfg.data, tok_s, toks_t, split="validation", rank=rank, world_size=world_size
     )
     return train_loader, val_loader
-
-
-def _single_models(cfg: Config, device: torch.device) -> nn.Module:
-    s = cfg.student
-    student = build_causal_lm(
-        s.path,
-        s.arch,
-        device=device,
-        dtype=parse_dtype(s.dtype),
-        overrides=s.overrides,
-        attn_implementation=s.attn_implementation,
-        seed=cfg.train.seed,
-    )
-    from crossdistill.distributed.parallelize import apply_block_options
-
-    apply_block_options(
-        student,
-        activation_checkpointing=s.activation_checkpointing,
-        checkpoint_blocks=s.activation_checkpointing_blocks,
-        checkpoint_scope=s.activation_checkpointing_scope,
-        compile_blocks=s.compile,
-    )
-    return student
-
-
-def _single_teacher(cfg: Config, t: TeacherConfig, device: torch.device) -> nn.Module:
-    model = build_causal_lm(
-        t.path,
-        t.arch,
-        device=device,
-        dtype=parse_dtype(t.dtype),
-        overrides=t.overrides,
-        attn_implementation=t.attn_implementation,
-        seed=cfg.train.seed + 1,
-    )
-    from crossdistill.distributed.parallelize import apply_block_options
-
-    apply_block_options(model, compile_blocks=t.compile)
-    return model

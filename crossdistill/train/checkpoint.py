@@ -1,29 +1,40 @@
-"""Checkpoints of a run directory, written so that a run killed at any instant resumes cleanly.
+"""Checkpoints of a run directory: one format and one writer for every layout (a single process
+is the one-rank case), written so that a run killed at any instant resumes cleanly.
 
 Layout::
 
     run_dir/checkpoints/
         step_000100/            one complete checkpoint
-            model.safetensors   the model state_dict (model.pt when it holds non-tensors)
-            state.pt            optimizer, scheduler, loader state, RNG states, ...
-            meta.json           step, file sizes, and the JSON-able entries of the state
+            dcp/                model and optimizer (`torch.distributed.checkpoint`: each rank
+                                writes its shards, with their global shapes)
+            data_00000.pt       the train loader's state of data-parallel rank 0, 1, ...
+            rng_00000.pt        the RNG states of global rank 0, 1, ...
+            meta.json           format, step, the JSON state (scheduler, layout, the student's
+                                shape) and every file's size: written last
         step_000200/
         latest                  "step_000200": the last checkpoint whose save completed
 
-A checkpoint is written into a temporary folder beside the others (``.tmp-*``), every file is
-fsynced, then the folder is renamed into place; ``latest`` is replaced atomically after that, and
-old checkpoints are deleted only then. So a ``step_*`` folder is always complete, a crash leaves
-at worst a ``.tmp-*`` folder that ``load_latest`` removes, and ``latest`` never names a partial
-checkpoint. A checkpoint that is damaged later (truncated file, disk error) is moved aside as
-``step_*.corrupt`` by ``load_latest``, which falls back to the previous one.
+Every rank writes into `.tmp-step_*`; once all have, rank 0 writes `meta.json`, fsyncs, renames
+the folder into place, replaces `latest` atomically, and only then deletes old checkpoints. So
+a `step_*` folder is always complete, a crash leaves at worst a `.tmp-*` folder that the next
+load removes, and `latest` never names a partial checkpoint. A checkpoint damaged later
+(truncated or missing file, bad `meta.json`, shards that do not load) is moved aside as
+`step_*.corrupt` at load time and the previous one is used. A full disk is one clear error and
+leaves the previous checkpoint intact. A model holding NaN or Inf is never saved.
 
-Single-process state dicts only; sharded (DTensor) checkpoints belong to ``distributed/``.
+Tensors are stored with their global shapes, so a checkpoint resumes under any number of
+processes or layout (resharding), one process included; the loader's position resumes exactly
+when the data-parallel size is unchanged.
+
+`Checkpointer(background=True)`: the loop waits only for the state to be checked and copied into
+host memory; a thread writes that copy (DCP's `async_save`, over a gloo group of its own under
+`torchrun`) and completes the checkpoint while training goes on. One save at a time: the next
+save, or `wait`, waits for the one in flight and raises its error there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import errno
 import io
 import json
@@ -35,12 +46,15 @@ import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from crossdistill.errors import UserError
 
@@ -48,18 +62,17 @@ log = logging.getLogger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_MARKER = "latest"
-MODEL_SAFETENSORS = "model.safetensors"
-MODEL_PT = "model.pt"
-STATE_FILE = "state.pt"
 META_FILE = "meta.json"
-FORMAT_VERSION = 1
+DCP_DIR = "dcp"
+FORMAT = "dcp"
+FORMAT_VERSION = 2
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = ".tmp-"
 _OLD_PREFIX = ".old-"
 _CORRUPT_SUFFIX = ".corrupt"
-# Leaf types that `torch.load(weights_only=True)` reads back; anything else in the state would
-# save fine and then fail at resume time, so it is refused at save time instead.
+# Leaf types that `torch.load(weights_only=True)` reads back; anything else in a per-rank state
+# would save fine and then fail at resume time, so it is refused at save time instead.
 _SAFE_LEAVES = (str, int, float, bool, type(None), bytes, torch.dtype, torch.device, torch.Size)
 
 
@@ -67,89 +80,135 @@ class NonFiniteStateError(UserError):
     """The model holds NaN or Inf values: saving it would make every later resume useless."""
 
 
+# ----------------------------------------------------------------------------- ranks
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank() -> int:
+    return dist.get_rank() if _dist() else 0
+
+
+_CPU_GROUP: dict[int, Any] = {}  # id of the default group -> its checkpoint group
+
+
+def _cpu_group() -> Any:
+    """A gloo group over every rank for the checkpoint's own collectives (small objects, and
+    DCP's background writes, which need a CPU backend). Always a group of its own, even where
+    the default group is gloo: a background save finishes with collectives in its thread
+    while training goes on with its own in the main thread, and two threads' collectives on
+    one group would interleave. Created once, by every rank at the same call (all ranks save
+    and load together)."""
+    if not _dist():
+        return None
+    key = id(dist.group.WORLD)  # a process group started again gets a group of its own
+    if key not in _CPU_GROUP:
+        _CPU_GROUP.clear()
+        _CPU_GROUP[key] = dist.new_group(backend="gloo")
+    return _CPU_GROUP[key]
+
+
+def _barrier() -> None:
+    if _dist():
+        dist.barrier(group=_cpu_group())
+
+
+def _broadcast(obj: Any) -> Any:
+    if not _dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0, group=_cpu_group())
+    return box[0]
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether `flag` holds on any rank (every rank gets the same answer)."""
+    if not _dist():
+        return flag
+    t = torch.tensor([int(flag)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return bool(t.item())
+
+
 # ----------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(
-    run_dir: str | Path, step: int, state: Mapping[str, Any], *, keep_last: int = 2
-) -> Path:
-    """Write `state` as checkpoint `step` of `run_dir`, atomically, and keep the last `keep_last`.
+class Checkpointer:
+    """Writes the checkpoints of `run_dir` (see module doc), on every rank of the job."""
 
-    `state["model"]` (a state_dict) goes to safetensors; the entries that survive a JSON round
-    trip (config, counters) go to `meta.json`, readable by people; the rest to `state.pt`.
-    Refuses a model with non-finite values (`NonFiniteStateError`). Checkpoints of higher steps
-    than `step` (left by an abandoned run in the same folder) are deleted once this one is
-    complete, so that the newest checkpoint is always the one just saved. Returns its folder.
-    """
-    if keep_last < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-    _check_state(state)
-    return _write_checkpoint(Path(run_dir), step, state, keep_last)
-
-
-def _check_state(state: Mapping[str, Any]) -> None:
-    """Refuse a state that must not be saved: a non-finite model, or entries that would not
-    load back."""
-    if state.get("model") is not None:
-        _check_finite(state["model"])
-    _check_loadable(state, "state")
-
-
-def _write_checkpoint(run_dir: Path, step: int, state: Mapping[str, Any], keep_last: int) -> Path:
-    """`save_checkpoint` after its checks: the atomic write, the marker, the pruning."""
-    root = run_dir / CHECKPOINTS_DIR
-    model_sd = state.get("model")
-    rest = {k: v for k, v in state.items() if k != "model"}
-    root.mkdir(parents=True, exist_ok=True)
-    name = _dir_name(step)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{name}-", dir=root))
-    try:
-        _write_payload(tmp, step, model_sd, rest)
-        _move_into_place(tmp, root / name)
-        _write_marker(root, name)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(e):
-            raise UserError(
-                f"disk full ({e}) while writing checkpoint {root / name}; nothing partial "
-                f"was kept and the previous checkpoint is intact. Free space (or lower "
-                f"train.keep_last) and resume with --resume"
-            ) from None
-        raise
-    _prune(root, step, keep_last)
-    return root / name
-
-
-class BackgroundSaver:
-    """`save_checkpoint` off the training loop's path. `save` checks the state and copies it
-    into host memory (on a GPU the device-to-host copy is what the loop waits for), then one
-    thread writes that copy with the same atomic protocol while training goes on. One save at
-    a time: the next `save`, or `wait`, waits for the one in flight and raises its error there
-    (a full disk: `UserError`, the previous checkpoint intact). The thread is not a daemon, so
-    an interpreter that exits, even on an error, finishes the save first; a killed process
-    leaves the previous checkpoint as `latest`, as with a synchronous save.
-
-    The copy holds the whole state once more in host memory while it is written."""
-
-    def __init__(self, run_dir: str | Path, keep_last: int = 2) -> None:
-        self.run_dir, self.keep_last = Path(run_dir), keep_last
+    def __init__(self, run_dir: str | Path, keep_last: int = 2, background: bool = False):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(run_dir) / CHECKPOINTS_DIR
+        self.keep_last = keep_last
+        self.background = background
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def save(self, step: int, state: Mapping[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        sharded: Mapping[str, Any],
+        meta: Mapping[str, Any] | None = None,
+        data_state: tuple[int, Any] | None = None,
+        rng_state: Any = None,
+    ) -> Path:
+        """Checkpoint `step`, called by every rank. `sharded`: what DCP stores, e.g.
+        `{"model": ..., "optimizer": ...}` from `get_state_dict` (this rank's shards; a plain
+        state dict in one process); `meta`: JSON-able state, rank 0's is kept (scheduler,
+        layout); `data_state`: `(data-parallel rank, loader state)` from one rank per data rank;
+        `rng_state`: this rank's generators. Refuses a model with non-finite values
+        (`NonFiniteStateError`, on every rank). Checkpoints of higher steps (an abandoned run in
+        the same folder) are deleted once this one is complete. Returns its folder."""
         self.wait()
-        _check_state(state)
-        snapshot = _host_copy(state)
+        meta = dict(meta or {})
+        _check_json(meta)
+        _check_loadable({"data": data_state, "rng": rng_state}, "state")
+        bad = _non_finite(sharded.get("model") or {})
+        if _any_rank(bool(bad)):
+            raise NonFiniteStateError(
+                "refusing to save a checkpoint: the model holds NaN or Inf values"
+                + (f" ({_names(bad)})" if bad else "")
+                + ". The previous checkpoint is intact: resume from it with a lower learning "
+                "rate or stronger gradient clipping"
+            )
+        name = _dir_name(step)
+        tmp = self.root / f"{_TMP_PREFIX}{name}"
+        if _rank() == 0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        _barrier()
+        try:
+            if data_state is not None:
+                _torch_save(data_state[1], tmp / f"data_{int(data_state[0]):05d}.pt")
+            if rng_state is not None:
+                _torch_save(rng_state, tmp / f"rng_{_rank():05d}.pt")
+            if not self.background:
+                with _one_process_is_meant():
+                    _dcp().save(dict(sharded), checkpoint_id=str(tmp / DCP_DIR))
+                self._complete(step, tmp, meta)
+                return self.root / name
+            with _one_process_is_meant():  # copies the state into host memory, then returns
+                future = _dcp().async_save(
+                    dict(sharded), checkpoint_id=str(tmp / DCP_DIR), process_group=_cpu_group()
+                )
+        except BaseException as e:
+            raise self._failed(e, step, tmp) from None
         self._thread = threading.Thread(
-            target=self._write, args=(step, snapshot), name=f"checkpoint-{step}"
+            target=self._finish, args=(future, step, tmp, meta), name=f"checkpoint-{step}"
         )
         self._thread.start()
+        return self.root / name
 
-    def _write(self, step: int, snapshot: dict[str, Any]) -> None:
+    def _finish(self, future: Any, step: int, tmp: Path, meta: dict) -> None:
         try:
-            _write_checkpoint(self.run_dir, step, snapshot, self.keep_last)
+            future.result()
+            self._complete(step, tmp, meta)
         except BaseException as e:  # raised in the loop's thread by the next save or wait
-            self._error = e
+            self._error = self._failed(e, step, tmp)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is complete; raise its error."""
@@ -160,66 +219,74 @@ class BackgroundSaver:
             error, self._error = self._error, None
             raise error
 
+    def _complete(self, step: int, tmp: Path, meta: dict) -> None:
+        """Rank 0, once every rank has written: `meta.json` last, then the folder into place,
+        `latest`, pruning."""
+        if _rank() != 0:
+            return
+        files = {
+            str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()
+        }
+        record = {
+            "format": FORMAT,
+            "version": FORMAT_VERSION,
+            "step": int(step),
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "files": files,
+            "state": meta,
+        }
+        with open(tmp / META_FILE, "w", encoding="utf-8") as f:
+            json.dump(record, f, indent=1)
+            _flush_and_sync(f)
+        _fsync_dir(tmp)
+        name = _dir_name(step)
+        _move_into_place(tmp, self.root / name)
+        _write_marker(self.root, name)
+        _prune(self.root, step, self.keep_last)
 
-def _host_copy(obj: Any) -> Any:
-    """`obj` with every tensor copied to host memory and every container rebuilt, so that the
-    training that goes on cannot change what is being written."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, Mapping):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if type(obj) in (list, tuple):
-        return type(obj)(_host_copy(v) for v in obj)
-    return copy.deepcopy(obj)
+    def _failed(self, e: BaseException, step: int, tmp: Path) -> BaseException:
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if _out_of_space(e) or _disk_refuses(self.root):
+            return UserError(
+                f"disk full ({_first_line(e)}) while writing checkpoint {self.root / _dir_name(step)}"
+                "; nothing partial was kept and the previous checkpoint is intact. Free space "
+                "(or lower train.keep_last) and resume with --resume"
+            )
+        return e
 
 
-def _write_payload(
-    folder: Path, step: int, model_sd: Mapping[str, Any] | None, rest: dict[str, Any]
-) -> None:
-    files: dict[str, int] = {}
-    if model_sd is not None:
-        fname = _write_model(folder, model_sd)
-        files[fname] = (folder / fname).stat().st_size
-    json_state = {k: v for k, v in rest.items() if _json_roundtrips(v)}
-    binary_state = {k: v for k, v in rest.items() if k not in json_state}
-    _torch_save(binary_state, folder / STATE_FILE)
-    files[STATE_FILE] = (folder / STATE_FILE).stat().st_size
-    meta = {
-        "format": FORMAT_VERSION,
-        "step": int(step),
-        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "files": files,
-        "state": json_state,
-    }
-    # meta.json last: a folder with a valid meta.json had everything else written before it.
-    with open(folder / META_FILE, "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-        _flush_and_sync(f)
-    _fsync_dir(folder)
+def _dcp():
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
 
 
-def _write_model(folder: Path, model_sd: Mapping[str, Any]) -> str:
-    if not all(isinstance(v, torch.Tensor) for v in model_sd.values()):
-        # A state_dict with `_extra_state` objects cannot go to safetensors.
-        _torch_save(dict(model_sd), folder / MODEL_PT)
-        return MODEL_PT
-    from safetensors.torch import save_file
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What a failed DCP load raises: its `CheckpointException` derives from BaseException."""
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    tensors: dict[str, torch.Tensor] = {}
-    seen_storages: set[int] = set()
-    for key, t in model_sd.items():
-        t = t.detach().to("cpu").contiguous()
-        # Tied weights (embedding = lm_head) share storage, which safetensors refuses; the
-        # duplicate is stored as its own copy and tied again by `load_state_dict`.
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen_storages and t.numel() > 0:
-            t = t.clone()
-        seen_storages.add(t.untyped_storage().data_ptr())
-        tensors[key] = t
-    save_file(tensors, str(folder / MODEL_SAFETENSORS), metadata={"format": "pt"})
-    with open(folder / MODEL_SAFETENSORS, "rb") as f:
-        os.fsync(f.fileno())
-    return MODEL_SAFETENSORS
+    return (Exception, CheckpointException)
+
+
+@contextlib.contextmanager
+def _one_process_is_meant():
+    """DCP warns that it "assumes the intent" of one process whenever no process group runs:
+    here one process is the one-rank layout, meant as such."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _check_json(meta: Mapping[str, Any]) -> None:
+    try:
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"checkpoint meta must be plain JSON data: {e}") from None
+
+
+def _names(bad: list[str]) -> str:
+    return ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -256,12 +323,46 @@ class _KeepWriteError(io.RawIOBase):
 
 
 def _out_of_space(e: BaseException) -> bool:
+    """Whether `e`, its causes, or (DCP) any rank's failure inside it is a full disk."""
     codes = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-    if isinstance(e, OSError):
-        return e.errno in codes
-    # safetensors raises its own error type, with the OS error number in the message.
-    m = re.search(r"os error (\d+)", str(e))
-    return m is not None and int(m.group(1)) in codes
+    seen: set[int] = set()
+    stack = [e]
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in codes:
+            return True
+        m = re.search(r"os error (\d+)|\[Errno (\d+)\]", str(err))
+        if m is not None and int(m.group(1) or m.group(2)) in codes:
+            return True
+        if "No space left on device" in str(err):
+            return True
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, Mapping):
+            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+        stack.extend([err.__cause__, err.__context__])
+    return False
+
+
+def _disk_refuses(folder: Path, probe_bytes: int = 1 << 20) -> bool:
+    """Whether `folder` cannot take `probe_bytes` more now. DCP's shard writer reports a short
+    write (a full disk, a quota, a file size limit) as a torch zip-writer position mismatch,
+    not as an OSError; after a failed save this probe tells a full disk from any other error."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=_TMP_PREFIX + "probe-") as f:
+            f.write(bytes(probe_bytes))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return _out_of_space(e)
+    return False
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
 
 
 def _move_into_place(tmp: Path, final: Path) -> None:
@@ -311,7 +412,7 @@ def write_folder(out: str | Path, write: Any, what: str) -> Path:
         _move_into_place(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if _out_of_space(e):
+        if _out_of_space(e) or _disk_refuses(out.parent):
             raise UserError(
                 f"disk full ({str(e).splitlines()[0] if str(e) else e}) while writing {what} "
                 f"{out}; nothing partial was kept and the checkpoints are intact. Free space and "
@@ -324,31 +425,76 @@ def write_folder(out: str | Path, write: Any, what: str) -> Path:
 # ----------------------------------------------------------------------------- loading
 
 
-def load_latest(
-    run_dir: str | Path, *, map_location: str | torch.device = "cpu"
-) -> tuple[int, dict[str, Any]] | None:
-    """The newest loadable checkpoint of `run_dir` as `(step, state)`, or None when there is none.
+@dataclass
+class Found:
+    """A checkpoint that loaded: its step, folder and JSON state (`meta.json`'s "state")."""
 
-    Leftover temporary folders of a killed save are removed. A checkpoint that fails to load
-    (missing or truncated file, bad meta.json) is moved aside as `step_*.corrupt` with a warning
-    and the previous one is tried. If checkpoints exist but none loads, raises `UserError`
-    rather than letting the run silently start over.
-    """
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return None
-    _clean_leftovers(root)
-    marked = _read_marker(root)
-    errors: list[str] = []
-    for step in sorted(_complete_steps(root), reverse=True):
-        folder = root / _dir_name(step)
-        try:
-            state = _load_folder(folder, step, map_location)
-        except Exception as e:  # any failure to read means this checkpoint is unusable
-            reason = (
-                f"{folder.name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    step: int
+    folder: Path
+    state: dict[str, Any]
+
+    def data_state(self, data_rank: int, data_size: int) -> Any:
+        """This data rank's loader state; None (with a warning) when the data-parallel size
+        changed, since the order of batches depends on how many ranks read the data."""
+        saved = int(self.state.get("data_size", 1))
+        if saved != data_size:
+            log.warning(
+                "data-parallel size changed from %d to %d: the data stream restarts from its "
+                "beginning (the order of batches depends on how many ranks read it)",
+                saved,
+                data_size,
             )
-            errors.append(reason)
+            return None
+        path = self.folder / f"data_{data_rank:05d}.pt"
+        return torch.load(path, weights_only=True) if path.is_file() else None
+
+    def model_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The global shape of every model tensor stored (read from DCP's metadata only)."""
+        metadata = _dcp().FileSystemReader(str(self.folder / DCP_DIR)).read_metadata()
+        return {
+            key[len("model.") :]: tuple(item.size)
+            for key, item in metadata.state_dict_metadata.items()
+            if key.startswith("model.") and hasattr(item, "size")
+        }
+
+    def rng_state(self) -> Any:
+        """This rank's RNG states, None when the checkpoint had no such rank."""
+        path = self.folder / f"rng_{_rank():05d}.pt"
+        return torch.load(path, weights_only=True) if path.is_file() else None
+
+
+def load_latest(
+    run_dir: str | Path,
+    sharded: Mapping[str, Any] | None = None,
+    check: Callable[[Found], None] | None = None,
+) -> Found | None:
+    """The newest checkpoint of `run_dir` that loads, with its DCP part loaded in place into
+    `sharded` (templates from `get_state_dict`: this rank's shards), or None when there is
+    none. Called by every rank. `check(found)` runs before any tensor is loaded (a `UserError`
+    there, such as another student's shape, is raised as it is).
+
+    Leftover temporary folders of a killed save are removed. A checkpoint that fails to load is
+    moved aside as `step_*.corrupt` with a warning and the previous one is tried. If
+    checkpoints exist but none loads, raises `UserError` rather than silently starting over."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    steps: list[int] = []
+    if _rank() == 0 and root.is_dir():
+        _clean_leftovers(root)
+        steps = sorted(_complete_steps(root), reverse=True)
+        marked = _read_marker(root)
+        if steps and marked is not None and marked != _dir_name(steps[0]):
+            log.warning(
+                "'latest' names %s but the newest checkpoint is %s", marked, _dir_name(steps[0])
+            )
+    steps = _broadcast(steps)
+    errors: list[str] = []
+    for step in steps:
+        folder = root / _dir_name(step)
+        found, reason = _try_load(folder, step, sharded, check)
+        if found is not None:
+            return found
+        errors.append(f"{folder.name}: {reason}")
+        if _rank() == 0:
             aside = folder.with_name(folder.name + _CORRUPT_SUFFIX)
             shutil.rmtree(aside, ignore_errors=True)
             os.rename(folder, aside)
@@ -359,10 +505,7 @@ def load_latest(
                 reason,
                 aside.name,
             )
-            continue
-        if marked is not None and marked != folder.name:
-            log.warning("'latest' names %s but resuming from %s", marked, folder.name)
-        return step, state
+        _barrier()
     if errors:
         raise UserError(
             f"no checkpoint in {root} could be loaded ({'; '.join(errors)}); the damaged ones "
@@ -372,26 +515,84 @@ def load_latest(
     return None
 
 
-def _load_folder(folder: Path, step: int, map_location: str | torch.device) -> dict[str, Any]:
-    meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
-    if meta.get("format") != FORMAT_VERSION or meta.get("step") != step:
-        raise ValueError(f"meta.json has format {meta.get('format')} and step {meta.get('step')}")
-    for fname, size in meta["files"].items():
-        actual = (folder / fname).stat().st_size
-        if actual != size:
-            raise ValueError(f"{fname} has {actual} bytes, {size} were written")
-    state: dict[str, Any] = torch.load(
-        folder / STATE_FILE, map_location=map_location, weights_only=True
-    )
-    state.update(meta["state"])
-    if MODEL_SAFETENSORS in meta["files"]:
-        from safetensors.torch import load_file
+def _try_load(
+    folder: Path,
+    step: int,
+    sharded: Mapping[str, Any] | None,
+    check: Callable[[Found], None] | None,
+) -> tuple[Found | None, str]:
+    """(the checkpoint `folder` of `step`, loaded into `sharded`; "") or (None, why it does not
+    load). Called by every rank; every rank gets the same answer."""
+    verdict = _broadcast(_read_meta(folder, step) if _rank() == 0 else None)
+    if isinstance(verdict, str):
+        return None, verdict
+    found = Found(step, folder, verdict["state"])
+    if check is not None:
+        check(found)
+    reason = ""
+    if sharded is not None:
+        try:
+            with _one_process_is_meant():
+                _dcp().load(dict(sharded), checkpoint_id=str(folder / DCP_DIR))
+        except _load_errors() as e:  # unreadable shards: this checkpoint is unusable
+            reason = f"{type(e).__name__}: {_first_line(e)}"
+    if not _any_rank(bool(reason)):
+        return found, ""
+    return None, reason or "shards of another rank did not load"
 
-        device = str(map_location) if not isinstance(map_location, str) else map_location
-        state["model"] = load_file(str(folder / MODEL_SAFETENSORS), device=device)
-    elif MODEL_PT in meta["files"]:
-        state["model"] = torch.load(folder / MODEL_PT, map_location=map_location, weights_only=True)
-    return state
+
+def load_checkpoint(
+    folder: str | Path,
+    sharded: Mapping[str, Any] | None = None,
+    check: Callable[[Found], None] | None = None,
+) -> Found:
+    """The checkpoint `folder` (a `step_*` folder of a run), its DCP part loaded in place into
+    `sharded` as by `load_latest`, in any layout. A folder that does not load is a `UserError`
+    naming why (it is left where it is)."""
+    folder = Path(folder)
+    m = re.fullmatch(r"step_(\d+)", folder.name)
+    if m is None or not folder.is_dir():
+        raise UserError(
+            f"{folder} is not a checkpoint folder (runs keep them as checkpoints/step_*)"
+        )
+    found, reason = _try_load(folder, int(m.group(1)), sharded, check)
+    if found is None:
+        raise UserError(f"checkpoint {folder} cannot be loaded: {reason}")
+    return found
+
+
+def _read_meta(folder: Path, step: int) -> dict[str, Any] | str:
+    """`meta.json` of a complete checkpoint, or why the folder is not one."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{META_FILE}: {type(e).__name__}: {_first_line(e)}"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT or meta.get("step") != step:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        if fmt == 1:
+            return "written by an earlier version of crossdistill (single-process format 1)"
+        return f"{META_FILE} has format {fmt!r}, not a {FORMAT} checkpoint of step {step}"
+    for name, size in meta.get("files", {}).items():
+        try:
+            actual = (folder / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, {size} were written"
+    return meta
+
+
+def read_checkpoint(folder: str | Path) -> dict[str, Any]:
+    """A checkpoint's whole content in this process, for inspection: `state` (the JSON
+    state), `step`, and whatever DCP stored (`model`, `optimizer`, full tensors)."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    folder = Path(folder)
+    meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+    with _one_process_is_meant():
+        out = _load_state_dict_from_keys(checkpoint_id=str(folder / DCP_DIR))
+    out.update(state=meta["state"], step=meta["step"])
+    return out
 
 
 def _clean_leftovers(root: Path) -> None:
@@ -427,35 +628,34 @@ def _dir_name(step: int) -> str:
 # ----------------------------------------------------------------------------- checks
 
 
-def _check_finite(model_sd: Mapping[str, Any]) -> None:
-    """One host sync for the whole model: a float32 sum per tensor is NaN/Inf iff it holds one."""
-    names, sums = [], []
+def _non_finite(model_sd: Mapping[str, Any]) -> list[str]:
+    """Names of this rank's tensors (its shards) holding NaN or Inf: one host sync for the
+    whole model, a float32 sum per tensor being non-finite iff it holds one (or, for absurd
+    weights, overflows: the exact check separates those)."""
+    from torch.distributed.tensor import DTensor
+
+    names, sums, local = [], [], {}
     for name, t in model_sd.items():
+        if isinstance(t, DTensor):
+            t = t.to_local()
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
             names.append(name)
+            local[name] = t
             sums.append(t.detach().sum(dtype=torch.float32 if t.is_floating_point() else None))
     if not sums:
-        return
+        return []
     by_device: dict[torch.device, list[int]] = {}
     for i, s in enumerate(sums):
         by_device.setdefault(s.device, []).append(i)
     bad: list[str] = []
     for idx in by_device.values():
         finite = torch.isfinite(torch.stack([sums[i] for i in idx])).tolist()
-        # A sum overflowing fp32 from finite values is possible only for absurd weights; the
-        # exact per-tensor check below separates it from a real NaN/Inf.
         bad += [
             names[i]
             for i, ok in zip(idx, finite)
-            if not ok and not bool(torch.isfinite(model_sd[names[i]]).all())
+            if not ok and not bool(torch.isfinite(local[names[i]]).all())
         ]
-    if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteStateError(
-            f"refusing to save a checkpoint: the model holds NaN or Inf values ({shown}). The "
-            f"previous checkpoint is intact: resume from it with a lower learning rate or "
-            f"stronger gradient clipping"
-        )
+    return bad
 
 
 def _check_loadable(obj: Any, where: str) -> None:
@@ -476,13 +676,6 @@ def _check_loadable(obj: Any, where: str) -> None:
         )
 
 
-def _json_roundtrips(value: Any) -> bool:
-    try:
-        return json.loads(json.dumps(value, allow_nan=False)) == value
-    except (TypeError, ValueError):
-        return False
-
-
 # What decides the student's tensors; a resume with other values cannot load them.
 _SHAPE_KEYS = (
     "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -497,10 +690,12 @@ def student_shape(student) -> dict:
     return {k: config[k] for k in _SHAPE_KEYS if k in config}
 
 
-def check_same_student(saved: dict | None, student, folder, saved_sd: dict | None = None) -> None:
+def check_same_student(
+    saved: dict | None, student, folder, saved_shapes: Mapping[str, tuple] | None = None
+) -> None:
     """Refuse a resume whose student is built differently from the checkpoint's, naming the
-    settings that differ (or, for a checkpoint without them, the first tensors), before any
-    tensor is loaded."""
+    settings that differ, or else the first tensors whose shapes differ (`saved_shapes`: global
+    shapes by name), before any tensor is loaded."""
     now = student_shape(student)
     if saved:
         diff = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
@@ -513,12 +708,12 @@ def check_same_student(saved: dict | None, student, folder, saved_sd: dict | Non
                 "resume with the student settings of the checkpointed run (student.arch / "
                 "student.path / student.overrides), or start a new run in another run.out_dir"
             )
-    if saved_sd is not None:
-        mine = student.state_dict()
+    if saved_shapes is not None:
+        mine = {k: tuple(v.shape) for k, v in student.state_dict().items()}
         bad = [
-            f"{k} {tuple(v.shape)} in the checkpoint, {tuple(mine[k].shape)} now"
-            for k, v in saved_sd.items()
-            if k in mine and tuple(v.shape) != tuple(mine[k].shape)
+            f"{k} {shape} in the checkpoint, {mine[k]} now"
+            for k, shape in saved_shapes.items()
+            if k in mine and tuple(shape) != mine[k]
         ]
         if bad:
             raise UserError(
@@ -526,6 +721,53 @@ def check_same_student(saved: dict | None, student, folder, saved_sd: dict | Non
                 f"({'; '.join(bad[:3])}); resume with the student settings of the checkpointed "
                 "run, or start a new run in another run.out_dir"
             )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def full_state_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's full state dict on CPU on rank 0 (empty elsewhere), gathered once."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not _dist():  # one process holds it all already
+        return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options)
+
+
+def export_hf(
+    model: torch.nn.Module, tokenizer: Any, out: Path, fused: Mapping[str, torch.Tensor]
+) -> None:
+    """The student as a plain Hugging Face folder (`save_pretrained` + its tokenizer), written
+    by rank 0 from the full weights gathered once; fused tensor-parallel rows are put back in
+    Hugging Face order (`fused`: their orders, see `distributed/tp_plans.py`). Called by every
+    rank, with no background save in flight (`Checkpointer.wait` first: both use the checkpoint
+    group)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    state = full_state_on_rank0(model)
+    if _rank() == 0:
+        for name, order in fused.items():
+            if name in state:
+                restored = torch.empty_like(state[name])
+                restored[order] = state[name]
+                state[name] = restored
+        config = copy.deepcopy(model.config)
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            plain = AutoModelForCausalLM.from_config(config)
+        plain.load_state_dict(state, strict=False, assign=True)
+        plain.tie_weights()
+
+        def write(folder: Path) -> None:
+            plain.save_pretrained(folder, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
+
+        write_folder(out, write, "the final Hugging Face folder")
+    _barrier()
 
 
 # ----------------------------------------------------------------------------- RNG

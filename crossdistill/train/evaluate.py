@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from crossdistill.config import Config
+from crossdistill.distributed.runtime import make_term, shard_kwargs, target_bytes
 from crossdistill.losses import kd_count, next_token_nll, student_loss
-from crossdistill.train.step import SingleProcess, make_term, shard_kwargs, target_bytes
 
 LN2 = math.log(2.0)
 
@@ -27,7 +27,8 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
     (`crossdistill.data.HeldOut`). Every sum is divided once at the end; under `torchrun` the
     sums of all data-parallel ranks are added first."""
     dev = c.device
-    place = c.placement if c.placement is not None else SingleProcess(dev)
+    place = c.placement
+    fused = None if cfg.train.loss_kernels == "auto" else False
     was_training = c.student.training
     c.student.eval()
     whole: dict[str, torch.Tensor] = {}  # per micro-batch: summed over data-parallel ranks
@@ -46,7 +47,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
         terms = []
         for k, slot in enumerate(c.slots):
             tb = batch.teachers[k]
-            targets = place.teacher_targets(slot, k, tb, cfg.train.loss_chunk_size)
+            targets = place.teacher_targets(slot, k, tb, cfg.train.loss_chunk_size, fused)
             term = make_term(slot, tb, targets, dev)
             term.denominator = torch.ones((), device=dev)
             terms.append(term)
@@ -66,6 +67,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
             ce_denominator=torch.ones((), device=dev),
             chunk_size=cfg.train.loss_chunk_size,
             **shard_kwargs(rows, vocab),
+            fused=fused,
         )
         add(parts, "ce_sum", metrics["ce"])
         add(parts, "ce_n", metrics["num_ce"])

@@ -22,15 +22,16 @@ from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.checkpoint import (
-    BackgroundSaver,
+    CHECKPOINTS_DIR,
+    Checkpointer,
+    Found,
     capture_rng_state,
     check_same_student,
     check_writable,
+    export_hf,
     load_latest,
     restore_rng_state,
-    save_checkpoint,
     student_shape,
-    write_folder,
 )
 from crossdistill.train.evaluate import evaluate
 from crossdistill.train.metrics import MetricsLogger
@@ -58,12 +59,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
 def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> dict[str, float]:
     run_dir = Path(cfg.run.out_dir)
     check_writable(run_dir, MIN_FREE_BYTES)
-    latest = _find_latest(run_dir, env) if resume else None
-    if (
-        not resume
-        and (run_dir / "checkpoints").is_dir()
-        and any((run_dir / "checkpoints").iterdir())
-    ):
+    if not resume and any(run_dir.glob(f"{CHECKPOINTS_DIR}/step_*")):
         raise UserError(
             f"{run_dir} already holds checkpoints; pass --resume to continue that run, or choose "
             "another run.out_dir"
@@ -72,33 +68,21 @@ def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> d
     c = build_components(cfg, env)
     if env.is_main:
         save_config(cfg, run_dir / "config.json")
-    start_step = 0
-    if latest is not None:
-        start_step = _restore(c, latest)
-    settings = StepSettings(
-        kd_ratio=cfg.train.kd_ratio,
-        teacher_mode=cfg.train.teacher_mode,
-        loss_chunk_size=cfg.train.loss_chunk_size,
-        autocast=c.device.type == "cuda",
-        device=c.device,
-    )
-    logger = _logger(cfg, env, run_dir, start_step if latest is not None else None)
-    saver = None
-    if cfg.train.checkpoint_in_background and not env.distributed:
-        saver = BackgroundSaver(run_dir, keep_last=cfg.train.keep_last)
+    start_step = _restore(c, run_dir) if resume else None
+    settings = StepSettings.of(cfg.train, c.device)
+    logger = _logger(cfg, env, run_dir, start_step)
+    saver = Checkpointer(run_dir, cfg.train.keep_last, cfg.train.checkpoint_in_background)
     try:
-        final = _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
+        final = _loop(c, cfg, run_dir, start_step or 0, stop_after, settings, logger, saver)
     except BaseException:
-        if saver is not None:  # the save in flight completes; the first error is the one raised
-            with contextlib.suppress(Exception):
-                saver.wait()
+        with contextlib.suppress(Exception):  # the save in flight completes; the first error
+            saver.wait()  # is the one raised
         raise
-    if saver is not None:  # the last checkpoint is on disk when `train` returns
-        saver.wait()
+    saver.wait()  # the last checkpoint is on disk when `train` returns
     return final
 
 
-def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver):
+def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
     """The steps from `start_step` on: train, log, validate, checkpoint; then the HF export.
     Returns the last validation metrics."""
     final: dict[str, float] = {}
@@ -114,7 +98,7 @@ def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
         for step in range(start_step, cfg.train.steps):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
-            metrics = train_step(c.student, c.slots, window, settings, placement=c.placement)
+            metrics = train_step(c.student, c.slots, window, settings, c.placement)
             grad_norm = clip_grad_norm_(c.student.parameters(), cfg.optim.grad_clip)
             if not bool(torch.isfinite(metrics["loss"]) & torch.isfinite(grad_norm)):
                 # one host sync per step, outside the loss: a non-finite step is skipped
@@ -148,10 +132,11 @@ def _loop(c, cfg, env, run_dir, start_step, stop_after, settings, logger, saver)
                 final = evaluate(c, cfg)
                 logger.log(done, final)
             if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
-                _save(c, cfg, run_dir, done, saver)
+                _save(c, done, saver)
             if stop_after is not None and done - start_step >= stop_after:
                 return final
-    export_hf(c, run_dir / "final")
+    saver.wait()  # the checkpoint group's collectives: the background save's first, then ours
+    export_hf(c.student, c.tok_s, run_dir / "final", c.fused)
     return final
 
 
@@ -185,55 +170,15 @@ def _logger(cfg: Config, env: DistEnv, run_dir: Path, resume_step: int | None):
 
 def _all_tokens(c: Components, tokens: int) -> float:
     """Target tokens of the whole job since the last log (each data-parallel rank read its own)."""
-    if not c.env.distributed:
-        return tokens
     count = torch.tensor([float(tokens)], dtype=torch.float64, device=c.device)
     return float(c.placement.reduce_counts(count)[0])
 
 
-def _find_latest(run_dir: Path, env: DistEnv):
-    """("single", (step, state)) or ("dcp", (step, folder)) for the newest checkpoint, or None."""
-    from crossdistill.distributed import checkpoint as sharded
+def _save(c: Components, step: int, saver: Checkpointer) -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    found = sharded.newest(run_dir)
-    if found is not None and found[2] == sharded.DCP_FORMAT:
-        return "dcp", (found[0], found[1])
-    if env.distributed:
-        if found is not None:
-            raise UserError(
-                f"{found[1]} was saved by a single process; resume it with one process, or "
-                "start a new run in another run.out_dir"
-            )
-        return None
-    latest = load_latest(run_dir)
-    return None if latest is None else ("single", latest)
-
-
-def _state(c: Components, cfg: Config, step: int) -> dict:
-    return {
-        "model": c.student.state_dict(),
-        "optimizer": c.optimizer.state_dict(),
-        "scheduler": c.scheduler.state_dict(),
-        "loader": c.train_loader.state_dict(),
-        "rng": capture_rng_state(),
-        "step": step,
-        "student_config": student_shape(c.student),
-    }
-
-
-def _save(
-    c: Components, cfg: Config, run_dir: Path, step: int, saver: BackgroundSaver | None
-) -> None:
-    if saver is not None:
-        saver.save(step, _state(c, cfg, step))
-        return
-    if not c.env.distributed:
-        save_checkpoint(run_dir, step, _state(c, cfg, step), keep_last=cfg.train.keep_last)
-        return
-    from crossdistill.distributed import checkpoint as sharded
-
+    model, optimizer = get_state_dict(c.student, c.optimizer)
     p = c.placement
-    first_of_data_rank = p.student.rank("cp_tp") == 0
     meta = {
         "scheduler": c.scheduler.state_dict(),
         "world_size": c.env.world_size,
@@ -241,64 +186,47 @@ def _save(
         "student_tp": p.student.layout.tp,
         "student_config": student_shape(c.student),
     }
-    sharded.save_sharded(
-        run_dir,
-        step,
+    first_of_data_rank = p.student.rank("cp_tp") == 0  # tensor/context ranks share the data
+    data = (p.data_rank, c.train_loader.state_dict()) if first_of_data_rank else None
+    saver.save(step, {"model": model, "optimizer": optimizer}, meta, data, capture_rng_state())
+
+
+def _restore(c: Components, run_dir: Path) -> int | None:
+    """The state of the newest checkpoint in `c` (any layout it was saved under); its step,
+    or None when the run has none yet."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    tp = c.placement.student.layout.tp
+
+    def check(found: Found) -> None:
+        saved = found.state.get("student_config")
+        check_same_student(saved, c.student, found.folder, found.model_shapes())
+        saved_tp = found.state.get("student_tp", 1)
+        if c.fused and saved_tp != tp:
+            raise UserError(
+                f"{found.folder} holds fused projections laid out for student tp={saved_tp}; "
+                f"resume with student.parallel.tp={saved_tp}"
+            )
+
+    model, optimizer = get_state_dict(c.student, c.optimizer)
+    sharded = {"model": model, "optimizer": optimizer}
+    found = load_latest(run_dir, sharded, check)
+    if found is None:
+        return None
+    set_state_dict(
         c.student,
         c.optimizer,
-        meta,
-        (p.data_rank, c.train_loader.state_dict()) if first_of_data_rank else None,
-        capture_rng_state(),
-        cfg.train.keep_last,
+        model_state_dict=sharded["model"],
+        optim_state_dict=sharded["optimizer"],
     )
-
-
-def _restore(c: Components, latest) -> int:
-    kind, found = latest
-    if kind == "single":
-        step, state = found
-        check_same_student(state.get("student_config"), c.student, f"step {step}", state["model"])
-        c.student.load_state_dict(state["model"])
-        c.optimizer.load_state_dict(state["optimizer"])
-        c.scheduler.load_state_dict(state["scheduler"])
-        c.train_loader.load_state_dict(state["loader"])
-        restore_rng_state(state["rng"])
-        return int(step)
-    from crossdistill.distributed import checkpoint as sharded
-
-    step, folder = found
-    meta = sharded.load_sharded(folder, c.student, c.optimizer)
-    tp = c.placement.student.layout.tp if c.env.distributed else 1
-    if c.fused and meta.get("student_tp", 1) != tp:
-        raise UserError(
-            f"{folder} holds fused projections laid out for student tp={meta.get('student_tp')}; "
-            f"resume with student.parallel.tp={meta.get('student_tp')}"
-        )
-    c.scheduler.load_state_dict(meta["scheduler"])
-    data_rank = c.placement.data_rank if c.env.distributed else 0
-    data_size = c.placement.data_size if c.env.distributed else 1
-    loader, rng = sharded.load_rank_files(folder, data_rank, data_size, meta["data_size"])
+    c.scheduler.load_state_dict(found.state["scheduler"])
+    loader = found.data_state(c.placement.data_rank, c.placement.data_size)
     if loader is not None:
         c.train_loader.load_state_dict(loader)
+    rng = found.rng_state()
     if rng is not None:
         restore_rng_state(rng)
-    return int(meta["step"])
-
-
-def export_hf(c: Components, out: Path) -> None:
-    """The student as a Hugging Face folder (`save_pretrained` + its tokenizer); under
-    `torchrun` gathered once and written by rank 0."""
-    if c.env.distributed:
-        from crossdistill.distributed.checkpoint import export_hf_gathered
-
-        export_hf_gathered(c.student, c.tok_s, out, c.fused)
-        return
-
-    def write(folder: Path) -> None:
-        c.student.save_pretrained(folder, safe_serialization=True)
-        c.tok_s.save_pretrained(folder)
-
-    write_folder(out, write, "the final Hugging Face folder")
+    return found.step
 
 
 def bits(nats: float) -> float:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from crossdistill.config import CHECKPOINT_SCOPES, Config, ModelConfig
+from crossdistill.config import Config, ModelConfig
 from crossdistill.errors import UserError
 
 # Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
@@ -38,17 +38,10 @@ def tokenizer_spec(model: ModelConfig, label: str) -> str:
 
 
 def resolve_model(model: ModelConfig, label: str) -> ResolvedModel:
-    from crossdistill.models.attention import ATTENTION_CHOICES
-    from crossdistill.models.loading import parse_dtype, resolve_hf_config
+    from crossdistill.models.loading import resolve_hf_config
 
     if (model.path is None) == (model.arch is None):
         raise UserError(f"{label}: set exactly one of {label}.path (checkpoint) or {label}.arch")
-    parse_dtype(model.dtype)
-    if model.attn_implementation not in ATTENTION_CHOICES:
-        raise UserError(
-            f"{label}.attn_implementation: unknown {model.attn_implementation!r}; "
-            f"choose one of {', '.join(ATTENTION_CHOICES)}"
-        )
     hf_config = resolve_hf_config(model.path, model.arch, model.overrides)
     return ResolvedModel(hf_config, tokenizer_spec(model, label), label)
 
@@ -128,11 +121,6 @@ def _check_scalars(cfg: Config) -> None:
         (
             cfg.student.activation_checkpointing_blocks >= 0,
             "student.activation_checkpointing_blocks must be >= 0 (0 = every block)",
-        ),
-        (
-            cfg.student.activation_checkpointing_scope in CHECKPOINT_SCOPES,
-            f"student.activation_checkpointing_scope must be one of {CHECKPOINT_SCOPES}, got "
-            f"{cfg.student.activation_checkpointing_scope!r}",
         ),
     ]
     for i, teacher in enumerate(cfg.teachers):

@@ -186,40 +186,22 @@ def with_layouts(cfg: Config, layouts: Layouts) -> Config:
 
 def run_steps(cfg: Config, sc: Scenario, steps: int = STEPS) -> list[tuple[float, float]]:
     """(loss, grad norm) of `steps` optimizer steps on `batches` (WINDOW per step), in the
-    layouts of `cfg` when a process group is running, else in one process."""
+    layouts of `cfg` (one process: the one-rank layouts, through the same code)."""
     from crossdistill.distributed.grads import clip_grad_norm_
     from crossdistill.distributed.layout import init_distributed
+    from crossdistill.distributed.runtime import TeacherSlot
     from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
-    from crossdistill.models import Teacher, build_causal_lm
-    from crossdistill.models.loading import parse_dtype
+    from crossdistill.models import Teacher
     from crossdistill.train.optim import build_optimizer
-    from crossdistill.train.step import SingleProcess, StepSettings, TeacherSlot, train_step
+    from crossdistill.train.step import StepSettings, train_step
     from crossdistill.train.validate import validate_config
 
     env = init_distributed("cpu")
-    dev = env.device
     res_s, res_t = validate_config(cfg)
-    if env.distributed:
-        layouts = plan_layouts(cfg, env.world_size, res_s.hf_config, [r.hf_config for r in res_t])
-        placement = build_placement(env, layouts)
-        student, models_t, _ = parallel_models(cfg, placement)
-        data_rank, data_size = placement.data_rank, placement.data_size
-    else:
-        placement = SingleProcess(dev)
-        s = cfg.student
-        student = build_causal_lm(
-            arch=s.arch, dtype=parse_dtype(s.dtype), overrides=s.overrides, seed=cfg.train.seed
-        )
-        models_t = [
-            build_causal_lm(
-                arch=t.arch,
-                dtype=parse_dtype(t.dtype),
-                overrides=t.overrides,
-                seed=cfg.train.seed + 1,
-            )
-            for t in cfg.teachers
-        ]
-        data_rank, data_size = 0, 1
+    layouts = plan_layouts(cfg, env.world_size, res_s.hf_config, [r.hf_config for r in res_t])
+    placement = build_placement(env, layouts)  # one process: the one-rank layouts
+    student, models_t, _ = parallel_models(cfg, placement)
+    data_rank, data_size = placement.data_rank, placement.data_size
     slots = [
         TeacherSlot(Teacher(model, t.name), t, sc.projections[t.name])
         for t, model in zip(cfg.teachers, models_t)
@@ -229,14 +211,14 @@ def run_steps(cfg: Config, sc: Scenario, steps: int = STEPS) -> list[tuple[float
         teacher_mode="weighted",
         loss_chunk_size=cfg.train.loss_chunk_size,
         autocast=False,
-        device=dev,
+        device=env.device,
     )
     optimizer = build_optimizer(student, cfg.optim)
     out = []
     for step in range(steps):
         window = sc.batches[step * WINDOW : (step + 1) * WINDOW]
         mine = [mb for j, mb in enumerate(window) if j % data_size == data_rank]
-        metrics = train_step(student, slots, mine, settings, placement=placement)
+        metrics = train_step(student, slots, mine, settings, placement)
         norm = clip_grad_norm_(student.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -254,12 +254,28 @@ def held_out_metrics(cfg) -> dict[str, float]:
     return evaluate(build_components(cfg, init_distributed("cpu")), cfg)
 
 
+def load_student(folder: Path, student, optimizer) -> int:
+    """The checkpoint `folder` loaded into `student` and `optimizer` (in their layout, as the
+    trainer resumes); its step."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from crossdistill.train.checkpoint import load_checkpoint
+
+    model_sd, optim_sd = get_state_dict(student, optimizer)
+    sharded = {"model": model_sd, "optimizer": optim_sd}
+    found = load_checkpoint(folder, sharded)
+    set_state_dict(
+        student, optimizer, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"]
+    )
+    return found.step
+
+
 def resharded_state(cfg, folder: Path) -> dict[str, torch.Tensor]:
     """The student of `cfg`'s layouts with the sharded checkpoint `folder` loaded, gathered
     (rank 0; the model and optimizer are built as the trainer builds them)."""
-    from crossdistill.distributed.checkpoint import full_state_on_rank0, load_sharded
     from crossdistill.distributed.layout import init_distributed
     from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
+    from crossdistill.train.checkpoint import full_state_on_rank0
     from crossdistill.train.optim import build_optimizer
     from crossdistill.train.validate import validate_config
 
@@ -268,9 +284,9 @@ def resharded_state(cfg, folder: Path) -> dict[str, torch.Tensor]:
     layouts = plan_layouts(cfg, env.world_size, res_s.hf_config, [r.hf_config for r in res_t])
     student, _, _ = parallel_models(cfg, build_placement(env, layouts))
     optimizer = build_optimizer(student, cfg.optim)
-    meta = load_sharded(folder, student, optimizer)
+    step = load_student(folder, student, optimizer)
     state = full_state_on_rank0(student)
-    state["_step"] = torch.tensor(meta["step"])
+    state["_step"] = torch.tensor(step)
     state["_optimizer_steps"] = torch.tensor(len(optimizer.state))
     return state
 

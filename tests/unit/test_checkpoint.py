@@ -1,5 +1,7 @@
-"""Checkpoints: exact resume, atomic layout, pruning, refusal of non-finite models, and survival
-of runs killed mid-save (a real SIGKILL, leftover temp folders, damaged files)."""
+"""Checkpoints (one DCP-based format for every layout; these tests run the one-rank case, the
+gloo tests in tests/distributed the others): exact resume, atomic layout, pruning, refusal of
+non-finite models, and survival of runs killed mid-save (a real SIGKILL, leftover temp folders,
+damaged files), in the loop and in the background."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,16 +27,16 @@ from crossdistill.errors import UserError
 from crossdistill.models import build_causal_lm
 from crossdistill.train.checkpoint import (
     CHECKPOINTS_DIR,
+    DCP_DIR,
     LATEST_MARKER,
     META_FILE,
-    MODEL_SAFETENSORS,
-    STATE_FILE,
+    Checkpointer,
     NonFiniteStateError,
     capture_rng_state,
     check_writable,
     load_latest,
+    read_checkpoint,
     restore_rng_state,
-    save_checkpoint,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,9 +45,31 @@ REPO = Path(__file__).resolve().parents[2]
 def _small_state(step: int, value: float = 1.0) -> dict:
     return {
         "model": {"w": torch.full((4, 3), value), "b": torch.arange(3.0)},
-        "step": step,
         "loader": {"epoch": 0, "position": step * 8},
         "config": {"lr": 1e-3, "name": "run"},
+    }
+
+
+def save_checkpoint(run_dir, step: int, state: dict, keep_last: int = 2, background=False):
+    """`state` of `_small_state`'s form through the checkpointer, as the trainer saves: the
+    model to DCP, the config as JSON, the loader as the one data rank's state."""
+    saver = Checkpointer(run_dir, keep_last=keep_last, background=background)
+    rest = {"model": state["model"]} if "model" in state else {}
+    folder = saver.save(step, rest, state.get("config", {}), (0, state.get("loader")))
+    saver.wait()
+    return folder
+
+
+def _latest(run_dir) -> tuple[int, dict] | None:
+    """The newest checkpoint as (step, {model, loader, config}), read whole."""
+    found = load_latest(run_dir)
+    if found is None:
+        return None
+    content = read_checkpoint(found.folder)
+    return found.step, {
+        "model": content.get("model", {}),
+        "loader": found.data_state(0, 1),
+        "config": found.state,
     }
 
 
@@ -96,27 +121,28 @@ def _train_steps(model, opt, sched, num_steps: int) -> list[float]:
 
 
 def test_resume_reproduces_uninterrupted_run_exactly(tmp_path):
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
     np.random.seed(1)
     random.seed(1)
     model, opt, sched = _make_training(seed=0)
     _train_steps(model, opt, sched, 3)
-    state = {
-        "model": model.state_dict(),
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "rng": capture_rng_state(),
-        "step": 3,
-    }
-    save_checkpoint(tmp_path, 3, state)
+    msd, osd = get_state_dict(model, opt)
+    saver = Checkpointer(tmp_path)
+    saver.save(3, {"model": msd, "optimizer": osd}, {"scheduler": sched.state_dict()}, None,
+               capture_rng_state())  # fmt: skip
     expected = _train_steps(model, opt, sched, 4)
 
     model2, opt2, sched2 = _make_training(seed=7)  # other weights, another RNG state
-    step, loaded = load_latest(tmp_path)
-    assert step == 3 and loaded["step"] == 3
-    model2.load_state_dict(loaded["model"])
-    opt2.load_state_dict(loaded["optimizer"])
-    sched2.load_state_dict(loaded["scheduler"])
-    restore_rng_state(loaded["rng"])
+    msd2, osd2 = get_state_dict(model2, opt2)
+    sharded = {"model": msd2, "optimizer": osd2}
+    found = load_latest(tmp_path, sharded)
+    assert found.step == 3
+    set_state_dict(
+        model2, opt2, model_state_dict=sharded["model"], optim_state_dict=sharded["optimizer"]
+    )
+    sched2.load_state_dict(found.state["scheduler"])
+    restore_rng_state(found.rng_state())
     resumed = _train_steps(model2, opt2, sched2, 4)
     assert resumed == expected  # bit-identical, not merely close
     assert model2.head.weight is model2.embed.weight  # still tied after loading
@@ -139,14 +165,15 @@ def test_rng_capture_restore_replays_every_generator():
 def test_layout_marker_and_meta(tmp_path):
     path = save_checkpoint(tmp_path, 100, _small_state(100))
     assert path == tmp_path / CHECKPOINTS_DIR / "step_000100"
-    assert sorted(p.name for p in path.iterdir()) == [META_FILE, MODEL_SAFETENSORS, STATE_FILE]
+    assert sorted(p.name for p in path.iterdir()) == ["data_00000.pt", DCP_DIR, META_FILE]
     marker = (tmp_path / CHECKPOINTS_DIR / LATEST_MARKER).read_text().strip()
     assert marker == "step_000100"
     meta = json.loads((path / META_FILE).read_text())
-    assert meta["step"] == 100
-    assert meta["state"]["config"] == {"lr": 1e-3, "name": "run"}  # readable without torch
-    assert meta["files"][STATE_FILE] == (path / STATE_FILE).stat().st_size
-    step, state = load_latest(tmp_path)
+    assert meta["step"] == 100 and meta["format"] == "dcp"
+    assert meta["state"] == {"lr": 1e-3, "name": "run"}  # readable without torch
+    assert meta["files"]["data_00000.pt"] == (path / "data_00000.pt").stat().st_size
+    assert any(name.startswith(f"{DCP_DIR}/") for name in meta["files"])
+    step, state = _latest(tmp_path)
     assert step == 100
     assert torch.equal(state["model"]["w"], torch.ones(4, 3))
     assert state["loader"] == {"epoch": 0, "position": 800}
@@ -156,7 +183,7 @@ def test_hf_model_in_bf16_round_trips(tmp_path):
     model = build_causal_lm(arch="tiny-llama", seed=3).to(torch.bfloat16)
     sd = model.state_dict()
     save_checkpoint(tmp_path, 1, {"model": sd})
-    _, state = load_latest(tmp_path)
+    _, state = _latest(tmp_path)
     assert set(state["model"]) == set(sd)
     for key, value in sd.items():
         assert state["model"][key].dtype == value.dtype
@@ -171,13 +198,13 @@ def test_keep_last_prunes_only_older_checkpoints(tmp_path):
     for step in range(10, 60, 10):
         save_checkpoint(tmp_path, step, _small_state(step), keep_last=2)
     assert _step_dirs(tmp_path) == ["step_000040", "step_000050"]
-    assert load_latest(tmp_path)[0] == 50
+    assert load_latest(tmp_path).step == 50
 
 
 def test_saving_the_same_step_again_replaces_it(tmp_path):
     save_checkpoint(tmp_path, 5, _small_state(5, value=1.0))
     save_checkpoint(tmp_path, 5, _small_state(5, value=2.0))
-    step, state = load_latest(tmp_path)
+    step, state = _latest(tmp_path)
     assert step == 5 and torch.equal(state["model"]["w"], torch.full((4, 3), 2.0))
     assert [p.name for p in (tmp_path / CHECKPOINTS_DIR).iterdir() if p.name.startswith(".")] == []
 
@@ -187,12 +214,14 @@ def test_newer_checkpoints_of_an_abandoned_run_are_removed(tmp_path):
         save_checkpoint(tmp_path, step, _small_state(step), keep_last=3)
     save_checkpoint(tmp_path, 15, _small_state(15), keep_last=3)
     assert _step_dirs(tmp_path) == ["step_000010", "step_000015"]
-    assert load_latest(tmp_path)[0] == 15
+    assert load_latest(tmp_path).step == 15
 
 
 def test_state_that_would_not_load_is_refused_at_save_time(tmp_path):
-    with pytest.raises(TypeError, match=r"state\['loader'\]\['pos'\].*numpy"):
+    with pytest.raises(TypeError, match=r"state\['data'\]\[1\]\['pos'\].*numpy"):
         save_checkpoint(tmp_path, 1, {"loader": {"pos": np.int64(3)}})
+    with pytest.raises(TypeError, match="plain JSON"):
+        Checkpointer(tmp_path).save(1, {}, {"lr": np.float32(1.0)})
     assert not (tmp_path / CHECKPOINTS_DIR).exists()
 
 
@@ -208,6 +237,7 @@ def test_non_finite_model_is_never_saved(tmp_path, bad, dtype):
     state["model"]["w"][2, 1] = bad
     with pytest.raises(NonFiniteStateError, match=r"NaN or Inf.*\bw\b"):
         save_checkpoint(tmp_path, 2, state)
+    assert not list((tmp_path / CHECKPOINTS_DIR).glob(".tmp-*"))
     assert _step_dirs(tmp_path) == ["step_000001"]
     assert (tmp_path / CHECKPOINTS_DIR / LATEST_MARKER).read_text().strip() == "step_000001"
 
@@ -216,7 +246,7 @@ def test_large_finite_values_are_accepted(tmp_path):
     # Their float32 sum overflows to inf; the exact check must still let them through.
     state = {"model": {"w": torch.full((1000,), 3.0e38)}}
     save_checkpoint(tmp_path, 1, state)
-    assert load_latest(tmp_path)[0] == 1
+    assert load_latest(tmp_path).step == 1
 
 
 # ----------------------------------------------------------------------------- crashes
@@ -233,53 +263,54 @@ def test_leftover_temp_folder_is_ignored_and_removed(tmp_path):
     save_checkpoint(tmp_path, 2, _small_state(2))
     root = tmp_path / CHECKPOINTS_DIR
     # What a kill in the middle of saving step 3 leaves: a temp folder with a truncated file.
-    partial = root / ".tmp-step_000003-abc123"
-    partial.mkdir()
-    data = (root / "step_000002" / STATE_FILE).read_bytes()
-    (partial / STATE_FILE).write_bytes(data[: len(data) // 2])
+    partial = root / ".tmp-step_000003"
+    shutil.copytree(root / "step_000002", partial)
+    (partial / META_FILE).unlink()
+    shard = next((partial / DCP_DIR).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:20])
     (root / f"{LATEST_MARKER}.tmp").write_text("step_0000")
-    step, state = load_latest(tmp_path)
+    step, state = _latest(tmp_path)
     assert step == 2 and state["loader"]["position"] == 16
     assert not partial.exists() and not (root / f"{LATEST_MARKER}.tmp").exists()
 
 
 def _damage(folder: Path, how: str) -> None:
-    if how == "truncate_state":
-        data = (folder / STATE_FILE).read_bytes()
-        (folder / STATE_FILE).write_bytes(data[:100])
-    elif how == "truncate_model":
-        data = (folder / MODEL_SAFETENSORS).read_bytes()
-        (folder / MODEL_SAFETENSORS).write_bytes(data[:-7])
-    elif how == "garbage_model":
-        size = (folder / MODEL_SAFETENSORS).stat().st_size
-        (folder / MODEL_SAFETENSORS).write_bytes(b"\xff" * size)
+    shard = next((folder / DCP_DIR).glob("*.distcp"))
+    if how == "truncate_shard":
+        shard.write_bytes(shard.read_bytes()[:-7])
+    elif how == "garbage_shard":  # the right size, not the right bytes
+        shard.write_bytes(b"\xff" * shard.stat().st_size)
+    elif how == "garbage_metadata":
+        md = folder / DCP_DIR / ".metadata"
+        md.write_bytes(b"\xff" * md.stat().st_size)
     elif how == "bad_meta":
-        (folder / META_FILE).write_text('{"format": 1, "st')
-    elif how == "missing_state":
-        (folder / STATE_FILE).unlink()
+        (folder / META_FILE).write_text('{"format": "dcp", "st')
+    elif how == "missing_data":
+        (folder / "data_00000.pt").unlink()
 
 
 @pytest.mark.parametrize(
-    "how", ["truncate_state", "truncate_model", "garbage_model", "bad_meta", "missing_state"]
+    "how", ["truncate_shard", "garbage_shard", "garbage_metadata", "bad_meta", "missing_data"]
 )
 def test_damaged_latest_falls_back_to_previous(tmp_path, caplog, how):
     save_checkpoint(tmp_path, 1, _small_state(1, value=1.0), keep_last=3)
     save_checkpoint(tmp_path, 2, _small_state(2, value=2.0), keep_last=3)
     root = tmp_path / CHECKPOINTS_DIR
     _damage(root / "step_000002", how)
+    template = {"model": {"w": torch.zeros(4, 3), "b": torch.zeros(3)}}
     with caplog.at_level(logging.WARNING, logger="crossdistill.train.checkpoint"):
-        step, state = load_latest(tmp_path)
-    assert step == 1 and torch.equal(state["model"]["w"], torch.ones(4, 3))
+        found = load_latest(tmp_path, template)
+    assert found.step == 1 and torch.equal(template["model"]["w"], torch.ones(4, 3))
     assert "step_000002" in caplog.text and "falling back" in caplog.text
     assert (root / "step_000002.corrupt").is_dir()
     # The run goes on: saving step 2 again works and is then the latest.
     save_checkpoint(tmp_path, 2, _small_state(2, value=5.0), keep_last=3)
-    assert load_latest(tmp_path)[0] == 2
+    assert load_latest(tmp_path).step == 2
 
 
 def test_every_checkpoint_damaged_is_an_error_not_a_fresh_start(tmp_path):
     save_checkpoint(tmp_path, 1, _small_state(1))
-    _damage(tmp_path / CHECKPOINTS_DIR / "step_000001", "truncate_state")
+    _damage(tmp_path / CHECKPOINTS_DIR / "step_000001", "truncate_shard")
     with pytest.raises(UserError, match="no checkpoint .* could be loaded"):
         load_latest(tmp_path)
 
@@ -290,29 +321,31 @@ def test_checkpoint_completed_before_marker_is_used(tmp_path, caplog):
     save_checkpoint(tmp_path, 2, _small_state(2), keep_last=3)
     (tmp_path / CHECKPOINTS_DIR / LATEST_MARKER).write_text("step_000001\n")
     with caplog.at_level(logging.WARNING, logger="crossdistill.train.checkpoint"):
-        assert load_latest(tmp_path)[0] == 2
+        assert load_latest(tmp_path).step == 2
     assert "'latest' names step_000001" in caplog.text
 
 
 _SAVER = textwrap.dedent(
     """
     import sys, torch
-    from crossdistill.train.checkpoint import save_checkpoint
-    run_dir = sys.argv[1]
+    from crossdistill.train.checkpoint import Checkpointer
+    run_dir, background = sys.argv[1], sys.argv[2] == "1"
+    saver = Checkpointer(run_dir, keep_last=2, background=background)
     for step in range(1, 10_000):
-        state = {"model": {f"w{i}": torch.full((256, 1024), float(step)) for i in range(8)},
-                 "loader": {"position": step}}
-        save_checkpoint(run_dir, step, state, keep_last=2)
+        model = {f"w{i}": torch.full((256, 1024), float(step)) for i in range(8)}
+        saver.save(step, {"model": model}, {}, (0, {"position": step}))
+        saver.wait()
         print(step, flush=True)
     """
 )
 
 
-@pytest.mark.parametrize("written", [MODEL_SAFETENSORS, STATE_FILE])
-def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, written):
+@pytest.mark.parametrize("written", ["data_00000.pt", f"{DCP_DIR}/*.distcp"])
+@pytest.mark.parametrize("background", [False, True], ids=["in-loop", "background"])
+def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, written, background):
     """A real SIGKILL as soon as a save in progress has started writing `written`."""
     proc = subprocess.Popen(
-        [sys.executable, "-c", _SAVER, str(tmp_path)],
+        [sys.executable, "-c", _SAVER, str(tmp_path), str(int(background))],
         stdout=subprocess.PIPE,
         cwd=REPO,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -331,7 +364,7 @@ def test_sigkill_during_saves_leaves_a_loadable_checkpoint(tmp_path, written):
     finally:
         proc.kill()
         proc.wait()
-    step, state = load_latest(tmp_path)
+    step, state = _latest(tmp_path)
     assert step >= 3 and state["loader"]["position"] == step
     for value in state["model"].values():
         assert torch.equal(value, torch.full((256, 1024), float(step)))
@@ -342,17 +375,23 @@ _FULL_DISK = textwrap.dedent(
     """
     import resource, signal, sys, torch
     from crossdistill.errors import UserError
-    from crossdistill.train.checkpoint import save_checkpoint
+    from crossdistill.train.checkpoint import Checkpointer
     run_dir = sys.argv[1]
-    save_checkpoint(run_dir, 1, {"model": {"w": torch.ones(10)}})
+    for background in (False, True):
+        saver = Checkpointer(run_dir, background=background)
+        saver.save(1, {"model": {"w": torch.ones(10)}}, {}, (0, {"position": 1}))
+        saver.wait()
     # Files may not grow past 200 kB from here on: writes fail as on a full disk.
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
     big = torch.zeros(200_000)
-    # The model file fails first, then (small model) the torch-pickled state file.
-    for state in ({"model": {"w": big}}, {"model": {"w": big[:10]}, "optimizer": {"m": big}}):
+    # The shards fail in the loop and in the background, then the loader state file
+    cases = [(False, {"w": big}, None), (True, {"w": big}, None), (False, {"w": big[:10]}, big)]
+    for background, model, loader in cases:
+        saver = Checkpointer(run_dir, background=background)
         try:
-            save_checkpoint(run_dir, 2, state)
+            saver.save(2, {"model": model}, {}, (0, {"position": 2, "big": loader}))
+            saver.wait()
         except UserError as e:
             print("USERERROR", e)
     """
@@ -368,10 +407,10 @@ def test_disk_full_during_save_keeps_previous_latest(tmp_path):
         env={**os.environ, "PYTHONPATH": str(REPO)},
         timeout=120,
     )
-    assert out.stdout.count("USERERROR disk full") == 2, out.stdout + out.stderr
+    assert out.stdout.count("USERERROR disk full") == 3, out.stdout + out.stderr
     assert _step_dirs(tmp_path) == ["step_000001"]  # no temp folder, no partial step 2
     assert (tmp_path / CHECKPOINTS_DIR / LATEST_MARKER).read_text().strip() == "step_000001"
-    assert load_latest(tmp_path)[0] == 1
+    assert load_latest(tmp_path).step == 1
 
 
 # ----------------------------------------------------------------------------- write probe
@@ -403,56 +442,53 @@ def test_check_writable_refuses_a_nearly_full_disk(tmp_path):
 
 def test_background_save_writes_the_state_as_it_was_when_saved(tmp_path, monkeypatch):
     """Training goes on (and changes the tensors in place) while the thread writes: what lands
-    on disk is the state at `save` time."""
-    from crossdistill.train import checkpoint
+    on disk is the state at `save` time (the writer is held until the tensors have changed)."""
+    from torch.distributed.checkpoint import FileSystemWriter
 
     release, writing = threading.Event(), threading.Event()
-    write = checkpoint._write_payload
+    write = FileSystemWriter.write_data
 
-    def held(*args, **kwargs):
+    def held(self, *args, **kwargs):
         writing.set()
         assert release.wait(30)
-        return write(*args, **kwargs)
+        return write(self, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "_write_payload", held)
-    saver = checkpoint.BackgroundSaver(tmp_path, keep_last=2)
+    monkeypatch.setattr(FileSystemWriter, "write_data", held)
+    saver = Checkpointer(tmp_path, keep_last=2, background=True)
     state = _small_state(5, value=2.0)
-    saver.save(5, state)
+    saver.save(5, {"model": state["model"]}, {}, (0, state["loader"]))
     assert writing.wait(30)  # the thread is writing; the loop has its state back
     state["model"]["w"].fill_(99.0)
     state["loader"]["position"] = -1
     release.set()
     saver.wait()
-    step, loaded = load_latest(tmp_path)
+    step, loaded = _latest(tmp_path)
     assert step == 5 and loaded["loader"]["position"] == 40
     assert torch.equal(loaded["model"]["w"], torch.full((4, 3), 2.0))
 
 
 def test_background_save_error_is_raised_by_the_next_wait(tmp_path, monkeypatch):
-    from crossdistill.train import checkpoint
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    saver = checkpoint.BackgroundSaver(tmp_path, keep_last=2)
-    saver.save(1, _small_state(1))
-    saver.wait()
+    save_checkpoint(tmp_path, 1, _small_state(1), background=True)
 
-    def full(*args, **kwargs):
+    def full(self, *args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_payload", full)
-    saver.save(2, _small_state(2))  # returns: the error belongs to the thread
+    monkeypatch.setattr(FileSystemWriter, "write_data", full)
+    saver = Checkpointer(tmp_path, keep_last=2, background=True)
+    saver.save(2, {"model": _small_state(2)["model"]}, {})  # returns: the error is the thread's
     with pytest.raises(UserError, match="disk full"):
         saver.wait()
     saver.wait()  # raised once
-    assert load_latest(tmp_path)[0] == 1 and _step_dirs(tmp_path) == ["step_000001"]
+    assert load_latest(tmp_path).step == 1 and _step_dirs(tmp_path) == ["step_000001"]
 
 
 def test_background_save_refuses_a_non_finite_model_at_once(tmp_path):
-    from crossdistill.train import checkpoint
-
-    saver = checkpoint.BackgroundSaver(tmp_path)
+    saver = Checkpointer(tmp_path, background=True)
     state = _small_state(1)
     state["model"]["w"][0, 0] = float("nan")
     with pytest.raises(NonFiniteStateError):
-        saver.save(1, state)
+        saver.save(1, {"model": state["model"]}, {})
     saver.wait()
     assert load_latest(tmp_path) is None

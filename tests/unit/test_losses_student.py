@@ -117,7 +117,7 @@ def plain_kd(name, z_row, tg, c, proj, tau, params):
         width = len(ids)
         rest_t += [0.0] * (width - len(rest_t))
         p_rest = (p_rest + [torch.zeros((), dtype=p.dtype)] * width)[:width]
-        return kl + params.get("uld_weight", 1.0) * sum(abs(a - b) for a, b in zip(rest_t, p_rest))
+        return kl + sum(abs(a - b) for a, b in zip(rest_t, p_rest))
     q = {}
     for t, mass in zip(ids, q_top):
         if first[t] < 0:
@@ -168,9 +168,7 @@ def plain_student_loss(hidden, weight, labels, terms, kd_ratio, ce_den):
 
 def terms_for(loss, seed=0, tau=1.0, **problem):
     hidden, weight, labels, chunks, targets, proj = make_problem(seed, tau=tau, **problem)
-    params = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}, "gold": {"uld_weight": 0.6}}.get(
-        loss, {}
-    )
+    params = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}}.get(loss, {})
     term = KDTerm(
         targets, proj, chunks, torch.tensor(0.0), loss, weight=0.8, params=params, name=loss
     )

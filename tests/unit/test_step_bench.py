@@ -1,5 +1,5 @@
 """`crossdistill bench step` runs end to end on the CPU (tiny layers, real vocabularies and
-tokenizers): its own step, the phase split, the profile, an ablation and the naive baseline."""
+tokenizers): its own step, the phase split, the profile and the naive baseline."""
 
 from __future__ import annotations
 
@@ -17,9 +17,7 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     cmd = [
         sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--seq-len", "64", "--micro-batch", "2", "--json",
-        "--profile", "--ablate", "sdpa", "--ablate", "fp32-queries", "--ablate", "full-topk",
-        "--variant", "bitmask-stats",
-        "--baseline", "naive",
+        "--profile", "--baseline", "naive",
         "--grad-accum", "2",
         "--student", "llama-3.2-1b", "--student-tokenizer", str(tokenizer_dir("llama2")),
         "--teacher", "qwen3-4b", "--teacher-tokenizer", str(tokenizer_dir("mistral")),
@@ -28,18 +26,15 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in (
-        "tokens_per_s", "naive_tokens_per_s", "ablate/sdpa/tokens_per_s", "loss_fraction",
-        "loader_fraction", "flops_per_token", "ablate/fp32-queries/tokens_per_s",
-        "variant/bitmask-stats/tokens_per_s",
+        "tokens_per_s", "naive_tokens_per_s", "student_loss_fraction", "teacher_fraction",
+        "loader_fraction", "flops_per_token",
     ):  # fmt: skip
         assert math.isfinite(result[key]) and result[key] > 0, key
     assert result["grad_accum"] == 2 and "ms/optimizer" in result
     # the teachers' tokens of the timed batches themselves (Mistral's tokenizer on Llama-2's)
     (ratio,) = result["teacher_tokens_per_student_token"]
     assert 0.8 < ratio < 1.25 and ratio != 1.0
-    # an ablation is timed on later batches: its own ratio, its own MFU (none on a CPU)
-    (own,) = result["ablate/sdpa/teacher_tokens_per_student_token"]
-    assert 0.8 < own < 1.25 and "ablate/sdpa/mfu" in result
+    assert result["attention"] == "auto" and result["teacher_padding"] == "auto"
     prof = result["profile"]
     assert prof["top"] and prof["busy_ms"] > 0 and prof["step_ms"] > 0
     assert abs(sum(prof["ms_by_kind"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
@@ -99,22 +94,35 @@ def test_optimised_vs_plain_script_on_cpu(tokenizer_dir):
     assert result["max_rel_diff_loss"] < 1e-4 and result["max_rel_diff_grad_norm"] < 1e-3
 
 
-def test_teacher_padding_is_chosen_per_run_and_put_back(tokenizer_dir, capsys, monkeypatch):
-    """`--teacher-padding drop` runs the cross teacher on its non-pad tokens (on the CPU too,
-    where `auto` keeps the rows); the process-wide setting is back to `auto` afterwards."""
+def test_bench_step_options_are_the_trainers_config(tokenizer_dir):
+    """The benchmark's options become the `crossdistill train` config it is built from: what a
+    comparison of two runs changes is exactly one setting of the trainer."""
+    import argparse
+
+    from crossdistill.bench.step_setup import bench_config
+
+    args = argparse.Namespace(
+        device="cpu", tiny=True, attention="sdpa", compile=False, student="llama-3.2-1b",
+        student_tokenizer=str(tokenizer_dir("llama3")), checkpoint_blocks=2,
+        checkpoint_scope="mlp", teacher=["qwen3-4b"], teacher_tokenizer=[str(tokenizer_dir("qwen3"))],
+        loss="reverse_kl", top_k=16, seq_len=64, micro_batch=2, warmup=1, steps=2, grad_accum=3,
+        loss_chunk_size=128, teacher_padding="drop", loss_kernels="pytorch",
+    )  # fmt: skip
+    cfg = bench_config(args, "corpus.jsonl")
+    assert cfg.student.attn_implementation == cfg.teachers[0].attn_implementation == "sdpa"
+    assert cfg.student.activation_checkpointing and cfg.student.activation_checkpointing_blocks == 2
+    assert cfg.student.activation_checkpointing_scope == "mlp"
+    assert cfg.teachers[0].loss == "reverse_kl" and cfg.teachers[0].top_k == 16
+    assert cfg.train.teacher_padding == "drop" and cfg.train.grad_accum == 3
+    assert cfg.train.loss_kernels == "pytorch"
+    assert cfg.train.steps == 3 and cfg.data.seq_len == 64 and cfg.data.train == ["corpus.jsonl"]
+
+
+def test_bench_step_teacher_padding_option(tokenizer_dir, capsys):
+    """`--teacher-padding` reaches the run: reported, and no graph is compiled while timing."""
     from crossdistill.cli import main
-    from crossdistill.train import step as train_step
 
-    rows_seen = []
-    real = train_step.targets_from_hidden
-
-    def spy(slot, tb, hidden, rows, *rest):
-        rows_seen.append(rows is not None)
-        return real(slot, tb, hidden, rows, *rest)
-
-    monkeypatch.setattr(train_step, "targets_from_hidden", spy)
     for padding in ("drop", "keep"):
-        rows_seen.clear()
         argv = [
             "bench", "step", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
             "--seq-len", "64", "--micro-batch", "2", "--json", "--teacher-padding", padding,
@@ -125,5 +133,3 @@ def test_teacher_padding_is_chosen_per_run_and_put_back(tokenizer_dir, capsys, m
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["teacher_padding"] == padding
         assert result["graphs_compiled_in_timed_steps"] == 0
-        assert rows_seen and set(rows_seen) == {padding == "drop"}
-        assert train_step.DROP_TEACHER_PADDING == {"mode": "auto"}

@@ -1,6 +1,7 @@
 """A cross teacher's body on its non-pad tokens alone (`[1, N]`, the padding of every row
 dropped) gives the targets of the padded `[B, T_t]` rows: same top-k ids, same log-probs in
-float64, on real tokenizers, the real collator and tiny real architectures."""
+float64, on real tokenizers, the real collator and tiny real architectures. The choice is the
+placement's `teacher_padding` (`train.teacher_padding` of the config)."""
 
 from __future__ import annotations
 
@@ -10,42 +11,44 @@ import pytest
 import torch
 
 from crossdistill.bench.step_setup import build_bench
-from crossdistill.train import step as train_step
+from crossdistill.distributed.runtime import Placement
 
 
-def _bench(tokenizer_dir, teachers):
-    args = argparse.Namespace(
+def _args(tokenizer_dir, teachers, **kw):
+    base = dict(
         student="llama-3.2-1b", student_tokenizer=str(tokenizer_dir("llama3")),
         teacher=[arch for arch, _ in teachers],
         teacher_tokenizer=[str(tokenizer_dir(tok)) for _, tok in teachers],
         seq_len=96, micro_batch=3, grad_accum=1, warmup=0, steps=2, top_k=8,
         loss="forward_kl", loss_chunk_size=64, checkpoint_blocks=0, checkpoint_scope="block",
-        compile=False, tiny=True, device="cpu",
+        compile=False, tiny=True, device="cpu", attention="auto", teacher_padding="auto",
+        loss_kernels="auto",
     )  # fmt: skip
-    bench = build_bench(args)
-    for slot in bench.slots:
-        slot.teacher.model.double()
-    return bench
+    return argparse.Namespace(**{**base, **kw})
+
+
+def _placed(bench, mode: str) -> Placement:
+    p = bench.c.placement
+    return Placement(p.env, p.student, p.teachers, teacher_padding=mode)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 2.0])
-def test_targets_without_padding_equal_the_padded_rows(tokenizer_dir, temperature, monkeypatch):
-    bench = _bench(tokenizer_dir, [("qwen3-4b", "qwen3"), ("phi-4-mini", "phi-4-mini")])
-    dev = torch.device("cpu")
+def test_targets_without_padding_equal_the_padded_rows(tokenizer_dir, temperature):
+    bench = build_bench(_args(tokenizer_dir, [("qwen3-4b", "qwen3"), ("phi-4-mini", "phi-4-mini")]))
+    for slot in bench.c.slots:
+        slot.teacher.model.double()
+    places = {mode: _placed(bench, mode) for mode in ("keep", "drop")}
     padded_somewhere = False
     for _ in range(2):
         batch = next(bench.loader)
-        for slot, tb in zip(bench.slots, batch.teachers):
+        for k, (slot, tb) in enumerate(zip(bench.c.slots, batch.teachers)):
             slot.cfg.temperature = temperature
             padded_somewhere |= tb.real_index.numel() < tb.input_ids.numel()
             got = {}
-            for mode in ("off", "on"):
-                monkeypatch.setitem(train_step.DROP_TEACHER_PADDING, "mode", mode)
-                hidden, rows = train_step.teacher_hidden(slot, tb, dev)
-                assert (rows is None) == (mode == "off")
-                assert hidden.shape[0] == (tb.input_ids.numel() if rows is None else rows.numel())
-                got[mode] = train_step.targets_from_hidden(slot, tb, hidden, rows, 64, dev)
-            want, have = got["off"], got["on"]
+            for mode, place in places.items():
+                assert (place._real_rows(slot, tb) is None) == (mode == "keep")
+                got[mode] = place.teacher_targets(slot, k, tb, 64)
+            want, have = got["keep"], got["drop"]
             kd = tb.kd_valid  # other rows are filler the loss masks out (either way finite)
             assert torch.equal(want.topk_ids[kd], have.topk_ids[kd])
             assert torch.equal(want.next_valid, have.next_valid)
@@ -62,35 +65,30 @@ def test_targets_without_padding_equal_the_padded_rows(tokenizer_dir, temperatur
 def test_auto_keeps_the_padded_rows_off_flash(tokenizer_dir):
     """On the CPU (no flash kernel) `auto` keeps `[B, T_t]`: the masked fallback over one row of
     N tokens would cost N² instead of B·T_t²."""
-    bench = _bench(tokenizer_dir, [("qwen3-4b", "qwen3")])
+    bench = build_bench(_args(tokenizer_dir, [("qwen3-4b", "qwen3")]))
     batch = next(bench.loader)
-    assert train_step.DROP_TEACHER_PADDING["mode"] == "auto"
-    hidden, rows = train_step.teacher_hidden(bench.slots[0], batch.teachers[0], bench.device)
-    assert rows is None and hidden.shape[0] == batch.teachers[0].input_ids.numel()
+    assert bench.c.placement.teacher_padding == "auto"
+    assert bench.c.placement._real_rows(bench.c.slots[0], batch.teachers[0]) is None
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_drops_the_padding_and_agrees_in_bf16(tokenizer_dir, monkeypatch):
+def test_cuda_drops_the_padding_and_agrees_in_bf16(tokenizer_dir):
     """On CUDA `auto` runs the bf16 teacher on its non-pad tokens (flash covers every layer);
     its targets agree with the padded rows' to bf16 rounding."""
-    args = argparse.Namespace(
-        student="llama-3.2-1b", student_tokenizer=str(tokenizer_dir("llama3")),
-        teacher=["phi-4-mini"], teacher_tokenizer=[str(tokenizer_dir("phi-4-mini"))],
-        seq_len=512, micro_batch=4, grad_accum=1, warmup=0, steps=2, top_k=16,
-        loss="forward_kl", loss_chunk_size=512, checkpoint_blocks=0, checkpoint_scope="block",
-        compile=False, tiny=True, device="cuda",
+    args = _args(
+        tokenizer_dir, [("phi-4-mini", "phi-4-mini")], seq_len=512, micro_batch=4, top_k=16,
+        loss_chunk_size=512, device="cuda",
     )  # fmt: skip
     bench = build_bench(args)
-    slot, tb = bench.slots[0], next(bench.loader).teachers[0]
+    slot, tb = bench.c.slots[0], next(bench.loader).teachers[0]
     got = {}
-    for mode in ("off", "auto"):
-        monkeypatch.setitem(train_step.DROP_TEACHER_PADDING, "mode", mode)
-        hidden, rows = train_step.teacher_hidden(slot, tb, bench.device)
-        assert (rows is None) == (mode == "off")
-        got[mode] = train_step.targets_from_hidden(slot, tb, hidden, rows, 512, bench.device)
+    for mode in ("keep", "auto"):
+        place = _placed(bench, mode)
+        assert (place._real_rows(slot, tb) is None) == (mode == "keep")
+        got[mode] = place.teacher_targets(slot, 0, tb, 512)
     kd = tb.kd_valid.cuda()
-    want, have = got["off"], got["auto"]
+    want, have = got["keep"], got["auto"]
     for name in ("topk_logprobs", "tail_logprob"):
         a, b = getattr(want, name)[kd].float(), getattr(have, name)[kd].float()
         assert b.isfinite().all(), name

@@ -1,1 +1,0 @@
-"""Held-out loss and bits per byte."""
