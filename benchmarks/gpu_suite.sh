@@ -5,7 +5,7 @@
 #   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="tests step2048"] \
 #       [EXTRA="--loss-chunk-size 2048" TAG=-name] bash benchmarks/gpu_suite.sh
 # TOK holds <name>/hf/ tokenizer folders (llama3, qwen3, phi-4-mini). Results: $OUT/*.json.
-# EXTRA: more `bench step` arguments for the step2048 stage, TAG: a suffix for its file name.
+# EXTRA: more `bench_step.py` arguments for the step2048 stage, TAG: a suffix for its file name.
 # Stages (all by default; ONLY picks some, each fits one 10-minute call):
 #   tests ceilings kernels loss step2048 ablate multi step4096 accum padding equal
 # kernels: varlen attention and teacher top-k alone; ablate: the Qwen3 setup with each
@@ -24,7 +24,7 @@ py=python3
 stage() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
 step() {  # name, then bench step arguments
     local name=$1; shift
-    $py -m crossdistill bench step --json "$@" | tee "$OUT/step-$name-$stamp.json"
+    $py benchmarks/bench_step.py --json --split "$@" | tee "$OUT/step-$name-$stamp.json"
 }
 if stage tests; then
     $py -m pytest -m gpu -q -p no:cacheprovider tests/unit/test_attention.py \

@@ -12,7 +12,8 @@ for round in $(seq 1 "${ROUNDS:-2}"); do
     for version in old new; do
         path=$PWD
         [[ $version == old ]] && path=$OLD
-        PYTHONPATH="$path" python3 -m crossdistill bench step --json "$@" \
+        # run from the version's own folder: `python -m` puts the working folder first on the path
+        (cd "$path" && python3 -m crossdistill bench step --json "$@") \
             | tail -1 > "$OUT/step-$version-$round.json"
     done
 done

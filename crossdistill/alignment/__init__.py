@@ -3,7 +3,8 @@
 `TokenBytes` (per-vocabulary byte table), `align` / `align_batch` (chunks of one text, or of a
 batch), `align_dp` (the quadratic fallback, as a baseline), `Projection` / `build_projection`
 (sparse teacher-to-student vocabulary map; imported on first use, it needs torch).
-"""
+
+Imports `errors`, `cache` and `models` (tokenizers) only."""
 
 from crossdistill.alignment.align import align
 from crossdistill.alignment.batch import align_batch

@@ -16,7 +16,7 @@ PROJECTION_EXAMPLES = """examples:
 """
 
 
-def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
+def add_tokenizer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--student-tokenizer", required=True, metavar="S", help="local folder or Hugging Face id"
     )
@@ -41,7 +41,7 @@ def add_projection_parser(subparsers) -> None:
         epilog=PROJECTION_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_tokenizer_args(build)
+    add_tokenizer_args(build)
     build.add_argument("--out", required=True, type=Path, metavar="P.safetensors")
     build.add_argument("--mode", choices=["first_piece", "multi_piece"], default="first_piece")
     build.set_defaults(func=run_projection_build)

@@ -1,5 +1,9 @@
 """`crossdistill bench ...`: benchmarks that anyone can rerun; each prints a table, or one JSON
-object with `--json`. Each benchmark module contributes `add_parser(subparsers)`."""
+object with `--json`. Each benchmark module contributes `add_parser(subparsers)`. Code only a
+benchmark needs (baselines of other pieces, profiles, ablation runs) lives in `benchmarks/`;
+it imports from here, never the other way.
+
+Imports anything below it (`train` and down); only `cli` imports it."""
 
 from __future__ import annotations
 
@@ -9,7 +13,6 @@ import importlib
 BENCHMARKS = [
     "crossdistill.bench.align",
     "crossdistill.bench.loss",
-    "crossdistill.bench.data",
     "crossdistill.bench.step",
 ]
 
@@ -17,7 +20,7 @@ BENCHMARKS = [
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="run a benchmark (alignment, loss, data pipeline, training step)",
+        help="run a benchmark (alignment, loss, training step)",
         description="Benchmarks measured side by side with a plain baseline in the same run.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -3,10 +3,9 @@
 Real tokenizers, real text (this machine's Python sources) through the real collator, the real
 teachers' targets, chunked loss, backward and fused AdamW, timed after warm-up. Reports tokens/s
 (student tokens), model-FLOPs utilisation against the dense-bf16 datasheet peak (and against the
-bf16 matmul rate measured in the same run), peak memory, and the time split. With
-`--baseline naive` it also times what a user would write without this library, on the same
-models and the same student batch: plain HF forwards with full logits, fp32 log-softmax losses
-over the full vocabularies (the teacher fed the student's ids: no alignment), fused AdamW.
+bf16 matmul rate measured in the same run) and peak memory. `benchmarks/bench_step.py` runs the
+same command with the naive baseline (what a user writes without this library), the phase
+split and a profile beside it, through `measure`'s `extras` hook.
 
 The run is built from a `crossdistill train` config by the trainer's own code; attention,
 compile, recomputation and the teachers' padding are options of that config, so comparing
@@ -23,14 +22,16 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from crossdistill.config import ATTENTION_CHOICES, CHECKPOINT_SCOPES
 
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
   crossdistill bench step --teacher qwen3-4b --teacher-tokenizer $TOK/qwen3/hf \\
-      --student llama-3.2-1b --student-tokenizer $TOK/llama3/hf --seq-len 2048 --baseline naive
+      --student llama-3.2-1b --student-tokenizer $TOK/llama3/hf --seq-len 2048 --compile
   crossdistill bench step --teacher phi-4-mini --teacher-tokenizer $TOK/phi-4-mini/hf \\
       --teacher llama-3.2-3b --teacher-tokenizer $TOK/llama3/hf --student llama-3.2-1b \\
       --student-tokenizer $TOK/llama3/hf --json
@@ -56,14 +57,13 @@ def add_parser(subparsers) -> None:
         "--grad-accum",
         type=int,
         default=1,
-        help="micro-batches per optimizer step (ours and the naive step alike)",
+        help="micro-batches per optimizer step",
     )
     p.add_argument("--steps", type=int, default=10, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--loss", default="forward_kl")
     p.add_argument("--loss-chunk-size", type=int, default=4096)
-    p.add_argument("--baseline", choices=["none", "naive"], default="none")
     p.add_argument(
         "--attention",
         choices=ATTENTION_CHOICES,
@@ -100,9 +100,6 @@ def add_parser(subparsers) -> None:
         default="auto",
         help="cross teachers' bodies over their non-pad tokens alone (drop), over the padded "
         "rows (keep), or drop where flash attention covers every layer (auto)",
-    )
-    p.add_argument(
-        "--profile", action="store_true", help="profile 2 real steps: top kernels, busy fraction"
     )
     p.add_argument("--device", default="cuda")
     p.add_argument(
@@ -162,39 +159,33 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give one --teacher-tokenizer per --teacher")
     if args.grad_accum < 1:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    result = _measure(args)
+    result = measure(args)
     if args.json:
         print(json.dumps(result))
     else:
-        _print_table(result)
+        print_table(result)
     return 0
 
 
-def _measure(args: argparse.Namespace) -> dict:
-    """Every timing `args` asks for, with FLOPs, MFU and the run's facts (`_finish`)."""
-    from crossdistill.bench.step_setup import (
-        build_bench,
-        naive_step,
-        profile_real_step,
-        profiled_step,
-        timed_steps,
-    )
+def measure(args: argparse.Namespace, extras: Callable[[Any, dict], None] | None = None) -> dict:
+    """The timed steps of the run `args` describes, with FLOPs, MFU and the run's facts.
+    `extras(bench, result)` runs after the timing on the same run (a `step_setup.Bench`) and
+    adds its own keys to `result`: `ms/<phase>` keys join the split, `<prefix>tokens_per_s`
+    keys get their MFU (a baseline's, on the same FLOPs per token)."""
+    from crossdistill.bench.step_setup import build_bench, timed_steps
 
-    bench = build_bench(args)
-    result = timed_steps(bench, args)
-    bench.teacher_ratio = result["teacher_tokens_per_student_token"]
-    result.update(profiled_step(bench, args))
-    if args.profile:
-        result["profile"] = profile_real_step(bench, args)
-    shapes = Shapes(
-        _shape(bench.c.student),
-        [_shape(s.teacher.model) for s in bench.c.slots],
-        _lm_head_size(bench.c.student),
-    )
-    if args.baseline == "naive":
-        result.update(naive_step(bench, args))
-    result["matmul_tflops_measured"] = _matmul_tflops(bench.device)
-    _finish(result, shapes, bench, args)
+    with build_bench(args) as bench:
+        result = timed_steps(bench, args)
+        bench.teacher_ratio = result["teacher_tokens_per_student_token"]
+        shapes = Shapes(
+            _shape(bench.c.student),
+            [_shape(s.teacher.model) for s in bench.c.slots],
+            _lm_head_size(bench.c.student),
+        )
+        if extras is not None:
+            extras(bench, result)
+        result["matmul_tflops_measured"] = _matmul_tflops(bench.device)
+        _finish(result, shapes, bench, args)
     return result
 
 
@@ -232,10 +223,11 @@ def _finish(result: dict, shapes: Shapes, bench, args) -> None:
         loss_kernels=args.loss_kernels,
         teacher_tokens_per_student_token=bench.teacher_ratio,
     )
-    for key in ("", "naive_"):
-        tps = result.get(f"{key}tokens_per_s")
-        if tps is None:
-            continue
+    prefixes = [k.removesuffix("tokens_per_s") for k in result if k.endswith("tokens_per_s")]
+    for key in prefixes:  # ours (""), and any baseline's (`extras`)
+        tps = result[f"{key}tokens_per_s"]
+        if key:
+            result[f"speedup_vs_{key.rstrip('_')}"] = result["tokens_per_s"] / tps
         achieved = tps * flops / 1e12
         result[f"{key}tflops"] = achieved
         result[f"{key}mfu"] = achieved / peak if peak else None
@@ -243,16 +235,15 @@ def _finish(result: dict, shapes: Shapes, bench, args) -> None:
             result[f"{key}fraction_of_measured_matmul"] = (
                 achieved / result["matmul_tflops_measured"]
             )
-    if result.get("naive_tokens_per_s"):
-        result["speedup_vs_naive"] = result["tokens_per_s"] / result["naive_tokens_per_s"]
     rate = result.get("matmul_tflops_measured")
     if rate and "ms/student_loss" in result:
         # the student's loss pass holds its three lm_head matmuls (forward, two backward): what
         # the chunked loss adds beyond them, at the matmul rate of this run
         tokens = args.seq_len * args.micro_batch * args.grad_accum  # per optimizer step
         head_ms = 3 * 2 * tokens * shapes.head_s / (rate * 1e12) * 1e3
-        split = sum(v for k, v in result.items() if k.startswith("ms/") and k != "ms/step")
-        split -= result.get("ms/naive_step", 0.0)
+        split = sum(
+            v for k, v in result.items() if k.startswith("ms/") and not k.endswith("step")
+        )  # the phases (`ms/step` is ours whole, `ms/<baseline>_step` a baseline's)
         result["student_lm_head_matmul_ms"] = head_ms
         result["student_loss_beyond_lm_head_fraction"] = (
             max(result["ms/student_loss"] - head_ms, 0.0) / split
@@ -263,7 +254,7 @@ def _lm_head_size(model) -> int:
     return model.get_output_embeddings().weight.numel()
 
 
-def _print_table(result: dict) -> None:
+def print_table(result: dict) -> None:
     keys = [
         "device",
         "student",
@@ -297,7 +288,3 @@ def _print_table(result: dict) -> None:
     for k, v in sorted(result.items()):
         if k.startswith("ms/"):
             print(f"  {k[3:]:28s} {v:8.1f}")
-    if "profile" in result:
-        from crossdistill.bench.profile import format_profile
-
-        print(format_profile(result["profile"]))

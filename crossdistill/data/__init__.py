@@ -4,7 +4,9 @@
 of `Batch`es (see `batch.py` for shapes) with `state_dict()` / `load_state_dict()`, or for the
 validation split a `HeldOut`. Names are imported on first use: the tokenizer side
 (`TokenizerSide`) and the sources need no torch, the batches do.
-"""
+
+Imports `errors`, `config`, `cache`, `models` and `alignment`; never `distributed` or
+`train`."""
 
 import importlib
 

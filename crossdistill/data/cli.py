@@ -7,6 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from crossdistill.alignment.cli import add_tokenizer_args
 from crossdistill.data.sources import FORMATS
 from crossdistill.errors import UserError
 
@@ -27,15 +28,6 @@ student tokens [s0, s1) and teacher tokens [t0, t1) cover the same bytes.
 """
 
 
-def _add_tokenizer_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--student-tokenizer", required=True, metavar="S", help="local folder or Hugging Face id"
-    )
-    p.add_argument(
-        "--teacher-tokenizer", required=True, metavar="T", help="local folder or Hugging Face id"
-    )
-
-
 def add_align_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "align",
@@ -45,7 +37,7 @@ def add_align_parser(subparsers) -> None:
         epilog=ALIGN_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    _add_tokenizer_args(p)
+    add_tokenizer_args(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--text", help="one text: print its chunks side by side")
     source.add_argument("--input", type=Path, metavar="F", help="a corpus file or folder")

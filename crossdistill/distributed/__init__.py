@@ -1,4 +1,5 @@
-"""Scale-out with `torchrun`: one layout object per model, and functions that apply it.
+"""Scale-out with `torchrun`: one layout object per model, and functions that apply it. One
+process is the one-rank layout: the same code, with no mesh.
 
 - `layout.py`: `ParallelLayout` (dp_replicate x dp_shard x cp x tp, checked against the world
   size, the model's heads and the sequence length) builds one named mesh; `init_distributed`.
@@ -8,8 +9,9 @@
 - `loading.py`: meta init -> parallelize -> each rank reads only its shards from safetensors.
 - `runtime.py`: the training step's placement across ranks (teacher inputs gathered across
   layouts, vocab-parallel lm_head, sequence shards, reductions); `grads.py`: gradient clipping
-  over mixed shardings; `checkpoint.py`: sharded checkpoints (DCP) and the gathered HF export.
-"""
+  over mixed shardings; `setup.py`: the layouts of a run, its placement and its models.
+
+Imports `errors`, `config`, `models` and `losses`; never `data` or `train`."""
 
 from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.layout import DistEnv, ParallelLayout, init_distributed

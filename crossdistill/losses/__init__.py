@@ -7,7 +7,8 @@
 - `student_loss(hidden, lm_head, labels, [KDTerm, ...], kd_ratio, ce_denominator)` → loss and
   detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
   reference backend.
-"""
+
+Imports `errors` and `config` only: no model, tokenizer or data code."""
 
 from crossdistill.losses.divergences import (
     ce,

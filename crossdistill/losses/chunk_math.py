@@ -96,14 +96,14 @@ def part_step(
     if valid is not None:
         h = torch.where(valid, h, 0.0)
     live = weight != 0
-    g = weight * (part.scale / tau)
+    g = weight * (1.0 / tau)
     total_h = h.sum(1) + h_tail
     a = g * (-total_h / s if coef_tail is None else coef_tail - total_h / s)
     corr = h if coef_tail is None else h - e_ids * coef_tail.unsqueeze(1)
     corr = torch.where(live.unsqueeze(1), g.unsqueeze(1) * corr, 0.0)
     if valid is not None:
         corr = torch.where(valid, corr, 0.0)
-    return terms.sum(1) * part.scale, torch.where(live, a, 0.0), corr
+    return terms.sum(1), torch.where(live, a, 0.0), corr
 
 
 def weighted_sum(rows: Tensor, weight: Tensor) -> Tensor:

@@ -151,7 +151,6 @@ class Part:
     valid: Tensor | None = None
     logq_tail: Tensor | None = None
     exclude: Tensor | None = None
-    scale: float = 1.0
     params: dict[str, float] = field(default_factory=dict)
 
 

@@ -38,11 +38,11 @@ def _part_loss(part: Part, logp: Tensor, weight: Tensor) -> Tensor:
         source = logp if part.exclude is None else logp.masked_fill(part.exclude, NEG_INF)
         top, ids = source.topk(min(part.logq.shape[1], logp.shape[1]), dim=1)
         tail_s = None if part.logq_tail is None else _tail(logp, ids, None)
-        return part.scale * div.uld(part.logq, top, weight, part.logq_tail, tail_s)
+        return div.uld(part.logq, top, weight, part.logq_tail, tail_s)
     logp_b = torch.where(part.valid, logp.gather(1, part.ids), NEG_INF)
     lq = torch.cat([part.logq, part.logq_tail.unsqueeze(1)], 1)
     lp = torch.cat([logp_b, _tail(logp, part.ids, part.valid).unsqueeze(1)], 1)
-    return part.scale * _BUCKET_FNS[part.divergence](lq, lp, weight, **part.params)
+    return _BUCKET_FNS[part.divergence](lq, lp, weight, **part.params)
 
 
 def reference_loss(

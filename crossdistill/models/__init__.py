@@ -2,7 +2,8 @@
 
 Tokenizer loading needs no torch; the model pieces are imported on first use, so that commands
 that only tokenize (`crossdistill align`) start without importing torch.
-"""
+
+Imports `errors` and `cache` only."""
 
 from crossdistill.models.tokenizers import load_tokenizer, tokenizer_fingerprint
 

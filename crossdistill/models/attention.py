@@ -22,8 +22,6 @@ window.
 from __future__ import annotations
 
 import functools
-import inspect
-import math
 from typing import Any
 
 import torch
@@ -99,16 +97,6 @@ def segment_kwargs(cu_seqlens: Tensor, max_len: int) -> dict[str, Any]:
     }
 
 
-@functools.cache
-def _flash_varlen():
-    """`(varlen_attn, its keyword parameters)` or None where this torch has none."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
-
-
 def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = None) -> bool:
     """Whether the flash kernel runs `query` (computing in `dtype`, default its own)."""
     if not query.is_cuda or (dtype or query.dtype) not in (torch.float16, torch.bfloat16):
@@ -116,11 +104,8 @@ def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = 
     head_dim = query.shape[-1]
     if head_dim > 256 or head_dim % 8:
         return False
-    if hasattr(torch.ops.aten, "_flash_attention_forward"):
-        return True  # PyTorch's FlashAttention-2 operators, called directly (native GQA)
-    found = _flash_varlen()
-    default_scale = scaling is None or math.isclose(scaling, head_dim**-0.5, rel_tol=1e-6)
-    return found is not None and ("scale" in found[1] or default_scale)
+    # PyTorch's FlashAttention-2 operators, called directly (grouped-query attention native)
+    return hasattr(torch.ops.aten, "_flash_attention_forward")
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -175,23 +160,7 @@ def varlen_attention(
         return _masked_sdpa(query, key, value, cu, scaling, window), None
     q, k, v = (_flat(x, dtype) for x in (query, key, value))
     cu = cu.to(device=q.device, dtype=torch.int32)
-    if hasattr(torch.ops.aten, "_flash_attention_forward"):
-        out = _FlashVarlen.apply(q, k, v, cu, max_len, scaling)
-        return out.view(b, t, h, d), None
-    fn, params = _flash_varlen()
-    extra: dict[str, Any] = {}
-    if "is_causal" in params:
-        extra["is_causal"] = True
-    else:
-        extra["window_size"] = (-1, 0)
-    if "scale" in params and scaling is not None:
-        extra["scale"] = scaling
-    if k.shape[1] != h:
-        if "enable_gqa" in params:
-            extra["enable_gqa"] = True
-        else:
-            k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
-    out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
+    out = _FlashVarlen.apply(q, k, v, cu, max_len, scaling)
     return out.view(b, t, h, d), None
 
 

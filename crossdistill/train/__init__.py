@@ -1,1 +1,7 @@
-"""Building components, the training step, the loop, checkpoints, metrics."""
+"""Building components, the training step, the loop, checkpoints, metrics.
+
+`build.py` (components from a config, every model in its layout: one process is the
+one-rank layout), `step.py` (one optimizer step over a window of micro-batches), `loop.py`,
+`evaluate.py` (held-out loss and bits per byte), `checkpoint.py` (DCP checkpoints of every
+layout, the Hugging Face export), `metrics.py`, `demo.py`. Imports every part below it;
+only `bench` and `cli` import it."""

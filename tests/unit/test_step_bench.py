@@ -7,17 +7,20 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from crossdistill.bench.profile import kind_of, largest_gaps
+from benchmarks.profile_summary import kind_of, largest_gaps
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_bench_step_smoke_on_cpu(tokenizer_dir):
     cmd = [
-        sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
+        sys.executable, str(REPO / "benchmarks" / "bench_step.py"), "--tiny", "--device", "cpu",
         "--steps", "1", "--warmup", "1", "--seq-len", "64", "--micro-batch", "2", "--json",
-        "--profile", "--baseline", "naive",
+        "--split", "--profile", "--baseline", "naive",
         "--grad-accum", "2",
         "--student", "llama-3.2-1b", "--student-tokenizer", str(tokenizer_dir("llama2")),
         "--teacher", "qwen3-4b", "--teacher-tokenizer", str(tokenizer_dir("mistral")),
@@ -133,3 +136,16 @@ def test_bench_step_teacher_padding_option(tokenizer_dir, capsys):
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["teacher_padding"] == padding
         assert result["graphs_compiled_in_timed_steps"] == 0
+
+
+def test_data_pipeline_benchmark_script_on_cpu():
+    """`benchmarks/bench_data.py` runs the real loader beside the plain-tokenizer baseline."""
+    cmd = [
+        sys.executable, str(REPO / "benchmarks" / "bench_data.py"), "--batches", "2",
+        "--workers", "0", "--seq-len", "128", "--json",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout)
+    assert result["batches"] == 2 and result["student_tokens"] > 0
+    assert result["baseline"]["student_tokens_per_s"] > 0
