@@ -33,7 +33,7 @@ from crossdistill.train.step import make_term
 
 
 def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
-    """`torch.profiler` over real steps (see `crossdistill.bench.profile`)."""
+    """`torch.profiler` over real steps (see `profile_summary.py`)."""
     dev = bench.device
 
     def step():

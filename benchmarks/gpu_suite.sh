@@ -39,7 +39,7 @@ fi
 if stage loss; then
     for c in 2048 2752 4096; do
         $py -m crossdistill bench loss --device cuda --json --repeats 15 --chunk-size $c \
-            $([[ $c == 2048 ]] && echo --profile) | tee "$OUT/loss-chunk$c-$stamp.json"
+            | tee "$OUT/loss-chunk$c-$stamp.json"
     done
 fi
 S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")

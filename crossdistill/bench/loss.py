@@ -45,7 +45,6 @@ def add_parser(subparsers) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per variant (median)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true", help="profile 2 runs of ours: top kernels")
     p.add_argument(
         "--fused",
         choices=["auto", "on", "off"],
@@ -236,16 +235,6 @@ def measure(args) -> dict:
     matmul_ms, _ = _time(matmuls, reset, args, torch, dev)
     errs = [_rel(a, b) for a, b in zip(result(ours), result(naive))]
     reset()
-    profile = None
-    if args.profile:
-        from crossdistill.bench.profile import profile_steps
-
-        def ours_fresh():
-            reset()
-            ours()
-
-        profile = profile_steps(ours_fresh, 2, dev.type == "cuda")
-        reset()
     ours_extra, naive_extra = max(ours_peak - grad_bytes, 0), max(naive_peak - grad_bytes, 0)
     return {
         "device": torch.cuda.get_device_name() if dev.type == "cuda" else _cpu_name(),
@@ -273,7 +262,6 @@ def measure(args) -> dict:
         "rel_err_grad_hidden": errs[1],
         "rel_err_grad_weight": errs[2],
         "teacher_targets_ms": round(targets_ms, 2),
-        **({"profile": profile} if profile else {}),
     }
 
 
