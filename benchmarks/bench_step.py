@@ -25,7 +25,7 @@ import torch
 from profile_summary import find_syncs, format_profile, profile_steps
 
 from crossdistill.bench.step import add_parser, measure, print_table
-from crossdistill.bench.step_setup import Bench, _next_window, _one_step, _sync
+from crossdistill.bench.step_setup import Bench, next_window, one_step, sync_device
 from crossdistill.losses import kd_count, student_loss
 from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import final_hidden
@@ -37,7 +37,7 @@ def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
     dev = bench.device
 
     def step():
-        _one_step(bench, _next_window(bench, args))
+        one_step(bench, next_window(bench, args))
 
     out = profile_steps(step, steps, dev.type == "cuda")
     if dev.type == "cuda":
@@ -182,7 +182,7 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
     except torch.OutOfMemoryError:
         # the naive step does not fit this device at this micro-batch: say so, keep ours
         return {"naive_error": f"out of memory at micro-batch {args.micro_batch}"}
-    _sync(dev)
+    sync_device(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -190,7 +190,7 @@ def naive_step(bench: Bench, args) -> dict[str, float]:
     for window in batches:
         tokens += sum(b.student.input_ids.numel() for b in window)
         step(window)
-    _sync(dev)
+    sync_device(dev)
     total = time.perf_counter() - t0
     out = {"naive_tokens_per_s": tokens / total, "ms/naive_step": 1e3 * total / len(batches)}
     if dev.type == "cuda":

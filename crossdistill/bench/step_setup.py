@@ -144,12 +144,12 @@ def count_tokens(batch, counts: list[int]) -> None:
         counts[1 + k] += int((tb.doc_ids >= 0).sum())
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
+def next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
     """The micro-batches of one optimizer step, on the device. `counts` (student tokens, then
     each teacher's non-pad tokens) grows by the window's, counted on the host copies."""
     window = []
@@ -161,7 +161,7 @@ def _next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
     return window
 
 
-def _one_step(bench: Bench, window: list) -> None:
+def one_step(bench: Bench, window: list) -> None:
     c = bench.c
     train_step(c.student, c.slots, window, bench.settings, c.placement)
     torch.nn.utils.clip_grad_norm_(c.student.parameters(), 1.0)
@@ -173,8 +173,8 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     """Warm-up, then `args.steps` real steps; the loader's blocking time is measured apart."""
     dev = bench.device
     for _ in range(args.warmup):
-        _one_step(bench, _next_window(bench, args))
-    _sync(dev)
+        one_step(bench, next_window(bench, args))
+    sync_device(dev)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     wait = 0.0
@@ -183,10 +183,10 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     t0 = time.perf_counter()
     for _ in range(args.steps):
         w0 = time.perf_counter()
-        window = _next_window(bench, args, counts)
+        window = next_window(bench, args, counts)
         wait += time.perf_counter() - w0
-        _one_step(bench, window)
-    _sync(dev)
+        one_step(bench, window)
+    sync_device(dev)
     total = time.perf_counter() - t0
     tokens = counts[0]
     out = {

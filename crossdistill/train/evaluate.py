@@ -16,6 +16,7 @@ import torch
 from crossdistill.config import Config
 from crossdistill.distributed.runtime import make_term, shard_kwargs, target_bytes
 from crossdistill.losses import kd_count, next_token_nll, student_loss
+from crossdistill.train.step import StepSettings
 
 LN2 = math.log(2.0)
 
@@ -28,7 +29,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
     sums of all data-parallel ranks are added first."""
     dev = c.device
     place = c.placement
-    fused = None if cfg.train.loss_kernels == "auto" else False
+    fused = StepSettings.of(cfg.train, c.device).fused  # the loss kernels the step uses
     was_training = c.student.training
     c.student.eval()
     whole: dict[str, torch.Tensor] = {}  # per micro-batch: summed over data-parallel ranks
