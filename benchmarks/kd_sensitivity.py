@@ -56,10 +56,10 @@ def run_seed(
     result: dict = {"seed": seed}
     for name, model in teachers.items():
         cfg = demo.stage_config(out, f"teacher_{name}", model, t["steps"], t["lr"], seed, evals)
-        result[f"teacher_{name}_bpb"] = demo._run_stage(cfg, reuse=True)["val/bpb/student"]
+        result[f"teacher_{name}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
     student = demo._model(s, student_tok, v_s)
     cfg = demo.stage_config(out, "student_ce", student, s["steps"], s["lr"], seed, evals)
-    result["ce_only_bpb"] = demo._run_stage(cfg, reuse=True)["val/bpb/student"]
+    result["ce_only_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
     for name in which:
         for loss in losses:
             entry = {
@@ -76,7 +76,7 @@ def run_seed(
                     out, f"kd_{tag}_{ratio}", student, s["steps"], s["lr"], seed, evals, [entry]
                 )
                 cfg.train.kd_ratio = ratio
-                final = demo._run_stage(cfg, reuse=True)
+                final = demo.run_stage(cfg, reuse=True)
                 result[f"kd_{tag}_{ratio}_bpb"] = final["val/bpb/student"]
     return result
 

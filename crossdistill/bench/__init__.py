@@ -13,6 +13,7 @@ import importlib
 BENCHMARKS = [
     "crossdistill.bench.align",
     "crossdistill.bench.loss",
+    "crossdistill.bench.quality",
     "crossdistill.bench.step",
 ]
 
@@ -20,7 +21,7 @@ BENCHMARKS = [
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench",
-        help="run a benchmark (alignment, loss, training step)",
+        help="run a benchmark (alignment, loss, training step, distillation quality)",
         description="Benchmarks measured side by side with a plain baseline in the same run.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

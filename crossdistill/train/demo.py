@@ -121,7 +121,7 @@ def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str]]:
     return train, val
 
 
-def _run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
+def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
     from crossdistill.train.loop import train
 
     run_dir = Path(cfg.run.out_dir)
@@ -171,13 +171,13 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
     print(
         f"[demo] 1/3 teacher: {t_steps} steps of CE on its own tokenizer (cached after the first run)"
     )
-    teacher = _run_stage(teacher_cfg, reuse=not quick)
+    teacher = run_stage(teacher_cfg, reuse=not quick)
     student_model = _model(DEMO["student"], student_tok, v_s)
     ce_cfg = stage_config(
         out, "student_ce", student_model, s_steps, DEMO["student"]["lr"], seed, evals
     )
     print(f"[demo] 2/3 student, CE only: {s_steps} steps")
-    ce_only = _run_stage(ce_cfg, reuse=False)
+    ce_only = run_stage(ce_cfg, reuse=False)
     teacher_entry = {
         "name": "teacher",
         "path": str(out / "teacher" / "final"),
@@ -197,7 +197,7 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         teachers=[teacher_entry],
     )
     print(f"[demo] 3/3 student, CE + cross-tokenizer KD: {s_steps} steps")
-    distilled = _run_stage(kd_cfg, reuse=False)
+    distilled = run_stage(kd_cfg, reuse=False)
     for name in ("teacher", "student_ce", "student_kd"):
         plot_run(out / name)
 

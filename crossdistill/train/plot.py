@@ -54,7 +54,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     groups = group_series(read_metrics(path))
     if not groups:
         raise UserError(f"{path} holds no metrics yet; plot again once the run has logged")
-    figure_cls, canvas_cls = _matplotlib()
+    figure_cls, canvas_cls = matplotlib_classes()
     out = Path(out_dir) if out_dir is not None else run_dir / "plots"
     out.mkdir(parents=True, exist_ok=True)
     ordered = [g for g in GROUP_ORDER if g in groups] + sorted(set(groups) - set(GROUP_ORDER))
@@ -121,7 +121,7 @@ def _file_stem(group: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", group) or "metric"
 
 
-def _matplotlib():
+def matplotlib_classes():
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

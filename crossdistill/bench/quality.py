@@ -1,0 +1,921 @@
+"""`crossdistill bench quality`: does distillation across tokenizers teach as much as distillation
+from a teacher with the student's own tokenizer? A controlled experiment on a corpus.
+
+1. The corpus is cut into pieces and split once into training and held-out text (the split does
+   not depend on the seed, so every run is scored on the same bytes).
+2. Teachers, one per `--teacher-tokenizer` plus one on the student's tokenizer (the
+   same-tokenizer reference): the same architecture, the same steps, the same bytes of text per
+   step (each teacher's sequence length is scaled by its tokenizer's bytes per token on this
+   corpus), CE only, from scratch. They differ only in the tokenizer. Cached by a hash of their
+   config, the corpus and the tokenizer, so a rerun of the student cells does not retrain them.
+3. Students of one architecture, steps and data order, for every seed: CE only, same-tokenizer
+   KD, and cross-tokenizer KD for every teacher tokenizer and `--loss`.
+4. Held-out bits per byte (mean ± standard deviation over seeds) and the gap closed,
+   (CE only − cross KD) / (CE only − same-tokenizer KD), per seed, then mean ± std.
+
+The comparison is refused, with a one-line reason, when it cannot say anything: fewer than two
+seeds, teachers further apart than `--max-teacher-spread`, a teacher less than
+`--min-teacher-gain` better than the CE-only student, or same-tokenizer KD not better than CE only
+on every seed (the gap would be undefined, or a ratio of noise). Every finished cell is appended
+to OUT/cells.jsonl and OUT/summary.json is rewritten, so a long run can be followed while it goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from crossdistill.config import LOSSES, Config, TeacherConfig, from_dict, to_dict
+from crossdistill.errors import UserError
+
+ARCH_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Model sizes, steps and batch shapes of one experiment size. Teachers are trained on
+    more text than the students (more steps, bigger batches), as a teacher would be."""
+
+    teacher: dict[str, int]
+    student: dict[str, int]
+    teacher_steps: int
+    student_steps: int
+    seq_len: int  # the student's, and the same-tokenizer teacher's
+    teacher_batch: int
+    student_batch: int
+    teacher_lr: float
+    student_lr: float
+    train_bytes: int  # of the corpus, at most
+    val_bytes: int
+    device: str
+    num_workers: int = 0
+    teacher_accum: int = 1  # micro-batches of teacher_batch sequences per teacher step
+    jobs: int = 1  # runs at once: small models leave a GPU mostly idle, so several share it
+
+
+SCALES: dict[str, Scale] = {
+    # a smoke run of every stage (seconds): for tests and a first look at a new corpus
+    "quick": Scale(
+        teacher=dict(
+            hidden_size=96,
+            intermediate_size=256,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        student=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        teacher_steps=60,
+        student_steps=12,
+        seq_len=64,
+        teacher_batch=4,
+        student_batch=2,
+        teacher_lr=3e-3,
+        student_lr=3e-3,
+        train_bytes=400_000,
+        val_bytes=20_000,
+        device="cpu",
+    ),
+    # tiny models on 2 CPU cores
+    "cpu": Scale(
+        teacher=dict(
+            hidden_size=256,
+            intermediate_size=704,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        student=dict(
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        ),
+        teacher_steps=400,
+        student_steps=150,
+        seq_len=128,
+        teacher_batch=8,
+        student_batch=4,
+        teacher_lr=2e-3,
+        student_lr=3e-3,
+        train_bytes=6_000_000,
+        val_bytes=100_000,
+        device="cpu",
+    ),
+    # one H100/H200 (about 19 minutes on an H100 with --jobs 5): teachers over 10x the student's
+    # parameters, trained on 4x its tokens. Student lr 1e-3: at 2e-3 the held-out bits per byte
+    # of one seed moved by up to 4% between identical runs (benchmarks/student_noise.py)
+    "gpu": Scale(
+        teacher=dict(
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+        ),
+        student=dict(
+            hidden_size=192,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+        ),
+        teacher_steps=600,
+        student_steps=300,
+        seq_len=1024,
+        teacher_batch=16,
+        student_batch=16,
+        teacher_lr=1e-3,
+        student_lr=1e-3,
+        train_bytes=200_000_000,
+        val_bytes=1_000_000,
+        device="cuda",
+        num_workers=2,
+        teacher_accum=2,
+        jobs=5,
+    ),
+}
+
+
+@dataclass
+class QualitySpec:
+    """One experiment: what `crossdistill bench quality` was asked, checked once by `check`."""
+
+    student_tokenizer: str
+    teacher_tokenizers: list[str]
+    out: Path
+    scale_name: str = "cpu"
+    scale: Scale = field(default_factory=lambda: SCALES["cpu"])
+    corpora: list[str] = field(default_factory=list)  # empty: the demo's corpus
+    seeds: int = 5
+    losses: list[str] = field(default_factory=lambda: [TeacherConfig.loss])
+    kd_ratio: float = 0.5
+    top_k: int = TeacherConfig.top_k
+    temperature: float = TeacherConfig.temperature
+    max_teacher_spread: float = 0.03
+    min_teacher_gain: float = 0.10
+    keep_going: bool = False  # train every cell even when the comparison is refused
+    jobs: int = 1  # runs trained at once, each in a process of its own when above 1
+
+    def check(self) -> None:
+        if self.seeds < 2:
+            raise UserError(
+                f"--seeds {self.seeds}: a spread needs at least 2 seeds (5 or more to compare "
+                "losses); pass --seeds 5"
+            )
+        if not self.teacher_tokenizers:
+            raise UserError("give at least one --teacher-tokenizer (a tokenizer folder)")
+        for name in self.losses:
+            if name not in LOSSES:
+                raise UserError(f"unknown --loss {name!r}; use one of {', '.join(LOSSES)}")
+        if not 0.0 < self.kd_ratio <= 1.0:
+            raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
+        if self.jobs < 1:
+            raise UserError(f"--jobs must be at least 1, got {self.jobs}")
+        if self.top_k < 1 or self.temperature <= 0:
+            raise UserError("--top-k must be at least 1 and --temperature above 0")
+        for path in [self.student_tokenizer, *self.teacher_tokenizers, *self.corpora]:
+            if not Path(path).exists():
+                raise UserError(f"{path} does not exist; give a local tokenizer folder or corpus")
+        student = Path(self.student_tokenizer).resolve()
+        for path in self.teacher_tokenizers:
+            if Path(path).resolve() == student:
+                raise UserError(
+                    f"--teacher-tokenizer {path} is the student's tokenizer; the same-tokenizer "
+                    "teacher is always trained as the reference, so give other tokenizers only"
+                )
+
+
+# ----------------------------------------------------------------------------- corpus
+
+
+SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
+PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a line end
+VAL_EVERY = 20  # about one piece in this many is held out
+
+
+def corpus_pieces(corpora: list[str]) -> list[str]:
+    """The text documents of the corpus files (JSONL, text, Parquet, ... as `crossdistill
+    train` reads them), cut into pieces of about `PIECE_BYTES` at line ends, so that a corpus of
+    a few long texts still splits into training and held-out text."""
+    from crossdistill.data.sources import open_source
+
+    pieces: list[str] = []
+    for path in corpora:
+        source = open_source(path, "auto", "text")
+        for start, stop in source.groups():
+            for value in source.read(start, stop):
+                if isinstance(value, str) and value.strip():
+                    pieces.extend(_cut(value))
+    if not pieces:
+        raise UserError(
+            f"no text documents in {', '.join(corpora)}: the corpus needs text rows (a JSONL "
+            "`text` field, a Parquet `text` column or plain text files)"
+        )
+    return pieces
+
+
+def _cut(text: str) -> list[str]:
+    out: list[str] = []
+    start = 0
+    while start < len(text):
+        stop = start + PIECE_BYTES
+        if stop < len(text):
+            newline = text.rfind("\n", start + PIECE_BYTES // 2, stop)
+            stop = newline + 1 if newline >= 0 else stop
+        out.append(text[start:stop])
+        start = stop
+    return out
+
+
+def split_pieces(
+    pieces: list[str], train_bytes: int, val_bytes: int
+) -> tuple[list[str], list[str]]:
+    """Held-out pieces chosen by a hash of their text (no seed: the same split for every run),
+    up to `val_bytes`; training pieces up to `train_bytes`."""
+    train: list[str] = []
+    val: list[str] = []
+    n_train = n_val = 0
+    for piece in pieces:
+        size = len(piece.encode())
+        held = int(hashlib.sha256(piece.encode()).hexdigest()[:8], 16) % VAL_EVERY == 0
+        if held and n_val < val_bytes:
+            val.append(piece)
+            n_val += size
+        elif n_train < train_bytes:
+            train.append(piece)
+            n_train += size
+    if not val or not train:
+        raise UserError(
+            f"the corpus ({len(pieces)} pieces of up to {PIECE_BYTES} bytes) is too small to hold "
+            "out text for scoring; give a corpus of at least a few hundred kilobytes"
+        )
+    return train, val
+
+
+def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, list[str]]:
+    """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
+    folder, so nothing trained on the old one is reused); returns it and the training texts."""
+    if corpora:
+        train, val = split_pieces(corpus_pieces(corpora), scale.train_bytes, scale.val_bytes)
+    else:
+        from crossdistill.train.demo_assets import stdlib_corpus
+
+        train, val = stdlib_corpus(
+            max_files=100_000, seed=0, train_bytes=scale.train_bytes, val_bytes=scale.val_bytes
+        )
+    digest = hashlib.sha256()
+    for text in [*train, "\0", *val]:
+        digest.update(text.encode())
+        digest.update(b"\0")
+    folder = out / "data" / digest.hexdigest()[:12]
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, texts in (("train.jsonl", train), ("val.jsonl", val)):
+        path = folder / name
+        if not path.is_file():
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                for text in texts:
+                    f.write(json.dumps({"text": text}) + "\n")
+            tmp.replace(path)
+    return folder, train
+
+
+def bytes_per_token(tokenizer: str, texts: list[str], sample_bytes: int = 2_000_000) -> float:
+    """UTF-8 bytes per token of `tokenizer` on the first `sample_bytes` of `texts`."""
+    from crossdistill.models.tokenizers import load_text_tokenizer
+
+    backend = load_text_tokenizer(tokenizer).backend_tokenizer
+    sample, size = [], 0
+    for text in texts:
+        if size >= sample_bytes:
+            break
+        sample.append(text)
+        size += len(text.encode())
+    tokens = sum(len(e.ids) for e in backend.encode_batch(sample, add_special_tokens=False))
+    return size / max(tokens, 1)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def tokenizer_label(path: str) -> str:
+    """`…/qwen3/hf` → `qwen3`; `…/my-tok` → `my-tok`."""
+    p = Path(path).resolve()
+    return p.parent.name if p.name == "hf" else p.name
+
+
+def model_entry(size: dict[str, int], tokenizer: str, vocab: int) -> dict[str, Any]:
+    overrides: dict[str, Any] = {k: size[k] for k in ARCH_KEYS}
+    overrides["vocab_size"] = (vocab + 63) // 64 * 64
+    overrides["tie_word_embeddings"] = True
+    return {
+        "arch": "tiny-llama",
+        "tokenizer": tokenizer,
+        "dtype": "float32",
+        "overrides": overrides,
+    }
+
+
+def run_config(
+    spec: QualitySpec,
+    data: Path,
+    run_dir: Path,
+    model: dict[str, Any],
+    *,
+    steps: int,
+    lr: float,
+    seq_len: int,
+    batch: int,
+    seed: int,
+    teachers: list[dict[str, Any]] | None = None,
+    progress: bool = True,
+    accum: int = 1,
+) -> Config:
+    s = spec.scale
+    raw = {
+        "student": model,
+        "teachers": teachers or [],
+        "data": {
+            "train": [str(data / "train.jsonl")],
+            "validation": [str(data / "val.jsonl")],
+            "seq_len": seq_len,
+            "micro_batch_size": batch,
+            "num_workers": s.num_workers,
+            "seed": seed,
+        },
+        "optim": {"lr": lr, "warmup_steps": max(1, steps // 20), "weight_decay": 0.05},
+        "train": {
+            "steps": steps,
+            "grad_accum": accum,
+            "kd_ratio": spec.kd_ratio if teachers else 0.0,
+            "seed": seed,
+            "eval_every": steps,
+            "eval_batches": 1 << 30,  # the whole held-out split
+            "checkpoint_every": steps,
+            "keep_last": 1,
+            "log_every": max(1, steps // 50),
+            "device": s.device,
+            "loss_chunk_size": 1024,
+        },
+        "run": {"out_dir": str(run_dir), "tensorboard": False, "progress": progress},
+    }
+    return from_dict(Config, raw)
+
+
+def config_hash(cfg: Config, *extra: str) -> str:
+    """Twelve hex digits of the config (its output folder left out) and `extra`."""
+    raw = to_dict(cfg)
+    raw["run"].pop("out_dir")
+    payload = json.dumps(raw, sort_keys=True) + "\0".join(extra)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+@dataclass
+class Cell:
+    """One kind of student run: its name, the teacher it learns from (None: CE only) and loss."""
+
+    name: str
+    teacher: str | None = None  # a tokenizer label
+    loss: str | None = None
+
+
+def summarize(
+    teachers: dict[str, float],
+    runs: dict[str, dict[int, float]],
+    cells: list[Cell],
+    same_label: str,
+    spec: QualitySpec,
+) -> dict[str, Any]:
+    """The report from the finished runs (`runs[cell][seed]` = held-out bits per byte).
+
+    `refused` (one line) when nothing can be compared: a run diverged, the same-tokenizer
+    teacher is not `min_teacher_gain` better than the CE-only student, same-tokenizer KD does
+    not beat CE only (on average or on any one seed: the gap closed of that seed would divide by
+    noise), or every cross pair is refused. A cross pair is refused on its own
+    (`entry["refused"]`, no `gap_closed`) when its teacher is more than `max_teacher_spread`
+    from the same-tokenizer teacher or not `min_teacher_gain` better than the CE-only student."""
+    ce, same = runs.get("ce", {}), runs.get("same", {})
+    report: dict[str, Any] = {
+        "teachers": dict(teachers),
+        "same_tokenizer": same_label,
+        "ce_only": _stats(ce),
+        "same_kd": _stats(same),
+        "cross": [],
+        "default_loss": TeacherConfig.loss,
+        "refused": None,
+    }
+    ce_mean, same_mean = report["ce_only"]["mean"], report["same_kd"]["mean"]
+
+    def teacher_problem(name: str) -> str | None:
+        value = teachers[name]
+        if name != same_label and same_label in teachers:
+            spread = abs(value / teachers[same_label] - 1)
+            if spread > spec.max_teacher_spread:
+                return (
+                    f"teacher {name} ({value:.4f} bits per byte) is {spread:.1%} from the "
+                    f"same-tokenizer teacher ({teachers[same_label]:.4f}), more than "
+                    f"{spec.max_teacher_spread:.0%}: a difference between students would be the "
+                    "teachers', not the tokenizers'; train the teachers longer or larger"
+                )
+        if ce_mean is not None and len(ce) >= 2 and value > ce_mean * (1 - spec.min_teacher_gain):
+            return (
+                f"teacher {name} ({value:.4f} bits per byte) is not {spec.min_teacher_gain:.0%} "
+                f"better than the CE-only student ({ce_mean:.4f}): it has little to teach; "
+                "train the teachers longer or larger"
+            )
+        return None
+
+    broken = [f"teacher {name}" for name, v in teachers.items() if not math.isfinite(v)]
+    broken += [
+        f"{c} seed {s}" for c, r in runs.items() for s, v in r.items() if not math.isfinite(v)
+    ]
+    if broken:
+        report["refused"] = (
+            f"{broken[0]} gave a non-finite bits per byte: that run diverged; lower the learning "
+            "rate (or look at its metrics.jsonl) before comparing"
+        )
+    elif same_label in teachers and teacher_problem(same_label):
+        report["refused"] = teacher_problem(same_label)
+    elif len(same) >= 2 and len(ce) >= 2 and same_mean >= ce_mean:
+        report["refused"] = (
+            f"same-tokenizer KD ({same_mean:.4f} bits per byte) is not better than CE only "
+            f"({ce_mean:.4f}), so there is no gap to close; use stronger teachers or a higher "
+            "--kd-ratio"
+        )
+    elif losing := [s for s in same if s in ce and same[s] >= ce[s]]:
+        report["refused"] = (
+            f"same-tokenizer KD is not better than CE only on {len(losing)} of {len(same)} "
+            f"seeds (seed {losing[0]}: {same[losing[0]]:.4f} vs {ce[losing[0]]:.4f} bits per "
+            "byte): the gap to close is within the run-to-run noise; lower the student's "
+            "learning rate, train longer or use stronger teachers"
+        )
+    for cell in cells:
+        if cell.teacher is None or cell.name == "same" or cell.name not in runs:
+            continue
+        cross = runs[cell.name]
+        entry: dict[str, Any] = {
+            "tokenizer": cell.teacher,
+            "loss": cell.loss,
+            "bpb": _stats(cross),
+            "beats_ce_every_seed": bool(cross)
+            and all(s in ce and v < ce[s] for s, v in cross.items()),
+            "seeds": sorted(cross),
+            "refused": report["refused"] or teacher_problem(cell.teacher),
+        }
+        paired = [s for s in cross if s in ce and s in same]
+        if entry["refused"] is None and len(paired) >= 2 and all(ce[s] != same[s] for s in paired):
+            closed = {s: (ce[s] - cross[s]) / (ce[s] - same[s]) for s in paired}
+            entry["gap_closed"] = _stats(closed)
+        report["cross"].append(entry)
+    pairs = [label for label in teachers if label != same_label]
+    if report["refused"] is None and pairs and all(teacher_problem(p) for p in pairs):
+        report["refused"] = teacher_problem(pairs[0])
+    return report
+
+
+def _stats(values: dict[int, float]) -> dict[str, Any]:
+    """Mean and sample standard deviation; none of either when a value is not finite (the
+    report refuses such a comparison, and JSON has no NaN)."""
+    xs = [values[s] for s in sorted(values)]
+    if not xs or not all(math.isfinite(x) for x in xs):
+        runs = [x if math.isfinite(x) else None for x in xs]
+        return {"mean": None, "std": None, "n": len(xs), "runs": runs}
+    std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return {"mean": statistics.fmean(xs), "std": std, "n": len(xs), "runs": xs}
+
+
+@dataclass
+class Job:
+    """One training run of the experiment and what to do with its held-out bits per byte."""
+
+    cell: str
+    seed: int | None
+    cfg: Config
+    describe: str
+    on_done: Callable[[float], None]
+    bpb: float | None = None
+
+    def done(self, bpb: float) -> None:
+        self.bpb = bpb
+        self.on_done(bpb)
+
+
+def train_one(raw: dict[str, Any]) -> float:
+    """One run in a process of its own (`--jobs` above 1): its held-out bits per byte."""
+    from crossdistill.train.demo import run_stage
+
+    return run_stage(from_dict(Config, raw), reuse=True)["val/bpb/student"]
+
+
+class Experiment:
+    """Runs the cells of a `QualitySpec` in order, reusing every finished run."""
+
+    def __init__(self, spec: QualitySpec, log: Callable[[str], None] = print):
+        spec.check()
+        self.spec = spec
+        self.log = log
+        self.out = spec.out
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.same_label = tokenizer_label(spec.student_tokenizer)
+        self.labels = {}
+        for path in spec.teacher_tokenizers:
+            label = tokenizer_label(path)
+            while label in self.labels.values() or label == self.same_label:
+                label += "'"
+            self.labels[path] = label
+        self.cells = [Cell("ce"), Cell("same", self.same_label, SAME_LOSS)]
+        for label in self.labels.values():
+            for loss in spec.losses:
+                self.cells.append(Cell(f"cross-{label}-{loss}", label, loss))
+        self.teachers: dict[str, float] = {}
+        self.teacher_paths: dict[str, Path] = {}
+        self.teacher_info: dict[str, dict[str, Any]] = {}
+        self.runs: dict[str, dict[int, float]] = {}
+        self.t0 = time.perf_counter()
+
+    def run(self) -> dict[str, Any]:
+        from crossdistill.models import load_tokenizer
+
+        s, spec = self.spec.scale, self.spec
+        self.log(f"[quality] corpus -> {self.out / 'data'}")
+        self.data, train_texts = write_corpus(self.out, spec.corpora, s)
+        vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}
+        bpt_ref = bytes_per_token(spec.student_tokenizer, train_texts)
+        everyone = [(spec.student_tokenizer, self.same_label), *self.labels.items()]
+        jobs = []
+        for path, label in everyone:
+            bpt = bpt_ref if path == spec.student_tokenizer else bytes_per_token(path, train_texts)
+            seq_len = max(16, round(s.seq_len * bpt_ref / bpt / 8) * 8)
+            jobs.append(self._teacher(path, label, vocab[path], seq_len, bpt))
+        self._run_all(jobs)
+        report = self.report()
+        if report["refused"] and not self.spec.keep_going:
+            return report  # the teachers alone say the comparison cannot be made
+        student = model_entry(s.student, spec.student_tokenizer, vocab[spec.student_tokenizer])
+        seeds = range(spec.seeds)
+        self._run_all([self._student(self.cells[0], student, seed) for seed in seeds])
+        report = self.report()
+        if report["refused"] and not self.spec.keep_going:
+            return report
+        # seed-major: a run stopped early still has every cell at its first seeds
+        self._run_all([self._student(c, student, seed) for seed in seeds for c in self.cells[1:]])
+        return self.report()
+
+    def _run_all(self, jobs: list[Job]) -> None:
+        """Train `jobs`, `spec.jobs` at a time (each in a process of its own when more than
+        one), recording each as it finishes."""
+        from crossdistill.train.demo import run_stage
+
+        if self.spec.jobs == 1 or len(jobs) == 1:
+            for job in jobs:
+                self.log(f"[quality] {job.describe}")
+                start = time.perf_counter()
+                job.done(run_stage(job.cfg, reuse=True)["val/bpb/student"])
+                self._record(job, start)
+            return
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        context = multiprocessing.get_context("spawn")  # no CUDA state crosses a fork
+        with ProcessPoolExecutor(self.spec.jobs, context, max_tasks_per_child=1) as pool:
+            started = {}
+            for job in jobs:
+                started[pool.submit(train_one, to_dict(job.cfg))] = job
+                self.log(f"[quality] {job.describe}")
+            start = time.perf_counter()
+            for future in as_completed(started):
+                job = started[future]
+                job.done(future.result())
+                self._record(job, start)
+
+    def _teacher(self, path: str, label: str, vocab: int, seq_len: int, bpt: float) -> Job:
+        from crossdistill.models.tokenizers import load_text_tokenizer, tokenizer_fingerprint
+
+        s = self.spec.scale
+        model = model_entry(s.teacher, path, vocab)
+        probe = run_config(
+            self.spec, self.data, self.out, model, steps=s.teacher_steps, lr=s.teacher_lr,
+            seq_len=seq_len, batch=s.teacher_batch, seed=0, progress=self.spec.jobs == 1,
+            accum=s.teacher_accum,
+        )  # fmt: skip
+        fingerprint = tokenizer_fingerprint(load_text_tokenizer(path))
+        run_dir = self.out / "teachers" / f"{label}-{config_hash(probe, fingerprint)}"
+        cfg = replace(probe, run=replace(probe.run, out_dir=str(run_dir)))
+        self.teacher_paths[label] = run_dir / "final"
+        kind = "the student's tokenizer" if label == self.same_label else "cross"
+
+        def done(bpb: float) -> None:
+            self.teachers[label] = bpb
+            self.teacher_info[label] = {
+                "tokenizer": path,
+                "bytes_per_token": bpt,
+                "seq_len": seq_len,
+                "bpb": bpb,
+                "run": str(run_dir),
+            }
+
+        return Job(
+            f"teacher-{label}",
+            None,
+            cfg,
+            f"teacher {label} ({kind}): {s.teacher_steps} steps of "
+            f"{s.teacher_batch * s.teacher_accum} x "
+            f"{seq_len} tokens ({bpt:.2f} bytes per token)",
+            done,
+        )
+
+    def _student(self, cell: Cell, student: dict[str, Any], seed: int) -> Job:
+        s, spec = self.spec.scale, self.spec
+        teachers = []
+        if cell.teacher is not None:
+            teachers = [
+                {
+                    "name": "teacher",
+                    "path": str(self.teacher_paths[cell.teacher]),
+                    "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
+                    "loss": cell.loss,
+                    "top_k": spec.top_k,
+                    "temperature": spec.temperature,
+                }
+            ]
+        run_dir = self.out / "students" / cell.name / f"seed{seed}"
+        cfg = run_config(
+            spec, self.data, run_dir, student, steps=s.student_steps, lr=s.student_lr,
+            seq_len=s.seq_len, batch=s.student_batch, seed=seed, teachers=teachers,
+            progress=False,
+        )  # fmt: skip
+
+        def done(bpb: float) -> None:
+            self.runs.setdefault(cell.name, {})[seed] = bpb
+
+        return Job(cell.name, seed, cfg, f"student {cell.name} seed {seed}", done)
+
+    def _record(self, job: Job, start: float) -> None:
+        row: dict[str, Any] = {"cell": job.cell}
+        if job.seed is not None:
+            row["seed"] = job.seed
+        row["bpb"] = job.bpb
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        with open(self.out / "cells.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        where = f" seed {row['seed']}" if "seed" in row else ""
+        self.log(
+            f"[quality] {row['cell']}{where}: {row['bpb']:.4f} bits per byte ({row['seconds']} s)"
+        )
+        self.report()
+
+    def report(self) -> dict[str, Any]:
+        """The summary so far, also written to OUT/summary.json."""
+        report = summarize(self.teachers, self.runs, self.cells, self.same_label, self.spec)
+        s = self.spec.scale
+        report["teacher_runs"] = self.teacher_info
+        report["settings"] = {
+            "scale": self.spec.scale_name,
+            "seeds": self.spec.seeds,
+            "losses": self.spec.losses,
+            "kd_ratio": self.spec.kd_ratio,
+            "top_k": self.spec.top_k,
+            "temperature": self.spec.temperature,
+            "student_tokenizer": self.spec.student_tokenizer,
+            "teacher_tokenizers": self.spec.teacher_tokenizers,
+            "corpus": self.spec.corpora or ["python standard library (the demo's corpus)"],
+            "teacher": {
+                **s.teacher,
+                "steps": s.teacher_steps,
+                "batch": s.teacher_batch * s.teacher_accum,
+            },
+            "student": {**s.student, "steps": s.student_steps, "batch": s.student_batch},
+            "seq_len": s.seq_len,
+            "device": s.device,
+        }
+        report["seconds"] = round(time.perf_counter() - self.t0, 1)
+        tmp = self.out / "summary.json.tmp"
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        tmp.replace(self.out / "summary.json")
+        return report
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def print_table(report: dict[str, Any], file=sys.stdout) -> None:
+    def pm(stats: dict[str, Any]) -> str:
+        if not stats or stats.get("mean") is None:
+            return "-"
+        return f"{stats['mean']:.4f} ± {stats['std']:.4f}"
+
+    print("\nteachers, held-out bits per byte:", file=file)
+    for name, value in report["teachers"].items():
+        mark = " (student's tokenizer)" if name == report.get("same_tokenizer") else ""
+        print(f"  {name:24s} {value:.4f}{mark}", file=file)
+    print("\nstudents, held-out bits per byte (mean ± std over seeds):", file=file)
+    print(f"  {'CE only':40s} {pm(report['ce_only'])}", file=file)
+    print(f"  {'same-tokenizer KD':40s} {pm(report['same_kd'])}", file=file)
+    for entry in report["cross"]:
+        label = f"cross KD {entry['tokenizer']} {entry['loss']}"
+        gap = entry.get("gap_closed")
+        gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
+        every = "" if entry["beats_ce_every_seed"] else "   (not better than CE on every seed)"
+        if entry["refused"] and not report["refused"]:
+            every += f"\n    no comparison: {entry['refused']}"
+        print(f"  {label:40s} {pm(entry['bpb'])}{gap_text}{every}", file=file)
+    if report["refused"]:
+        print(f"\nno comparison: {report['refused']}", file=file)
+
+
+def plot_report(out: Path, report: dict[str, Any], cells: list[Cell]) -> Path | None:
+    """OUT/quality.png: the students' training CE (mean over seeds) and held-out bits per byte."""
+    from crossdistill.train.metrics import METRICS_FILE, read_metrics
+    from crossdistill.train.plot import matplotlib_classes
+
+    figure_cls, canvas_cls = matplotlib_classes()
+    fig = figure_cls(figsize=(11, 4.5), layout="constrained")
+    canvas_cls(fig)
+    curves, bars = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    names, means, stds = [], [], []
+    stats_of = {"ce": report["ce_only"], "same": report["same_kd"]}
+    for entry in report["cross"]:
+        stats_of[f"cross-{entry['tokenizer']}-{entry['loss']}"] = entry["bpb"]
+    for i, cell in enumerate(cells):
+        folder = out / "students" / cell.name
+        series: dict[int, list[float]] = {}
+        for run in sorted(folder.glob("seed*")):
+            if not (run / METRICS_FILE).is_file():
+                continue
+            for record in read_metrics(run / METRICS_FILE):
+                if isinstance(record.get("ce"), (int, float)):
+                    series.setdefault(record["step"], []).append(record["ce"])
+        if series:
+            steps = sorted(series)
+            curves.plot(
+                steps, [statistics.fmean(series[s]) for s in steps], f"C{i}-", label=cell.name
+            )
+        stats = stats_of.get(cell.name)
+        if stats and stats.get("mean") is not None:
+            names.append(cell.name)
+            means.append(stats["mean"])
+            stds.append(stats["std"])
+    if not names:
+        return None
+    curves.set_title("Students' training CE (mean over seeds)")
+    curves.set_xlabel("step")
+    curves.grid(True, alpha=0.3)
+    curves.legend(fontsize="small")
+    bars.bar(range(len(names)), means, yerr=stds, color=[f"C{i}" for i in range(len(names))])
+    bars.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize="small")
+    low = min(m - s for m, s in zip(means, stds))
+    high = max(m + s for m, s in zip(means, stds))
+    bars.set_ylim(low - 0.2 * (high - low + 1e-3), high + 0.2 * (high - low + 1e-3))
+    bars.set_title("Held-out bits per byte (mean ± std; lower is better)")
+    path = out / "quality.png"
+    fig.savefig(path, dpi=100)
+    return path
+
+
+# ----------------------------------------------------------------------------- command line
+
+EXAMPLES = """examples:
+  crossdistill bench quality --student-tokenizer $TOK/llama3/hf --teacher-tokenizer $TOK/qwen3/hf \\
+      --teacher-tokenizer $TOK/llama2/hf --scale gpu --seeds 5 --out runs/quality
+  crossdistill bench quality --corpus my.jsonl --student-tokenizer $TOK/llama3/hf \\
+      --teacher-tokenizer $TOK/qwen3/hf --scale cpu --seeds 3 --loss forward_kl --loss gold --json
+"""
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "quality",
+        help="how much cross-tokenizer KD teaches, against same-tokenizer KD and CE only",
+        description=__doc__,
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--corpus",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="JSONL / text / Parquet corpus (repeatable; default: the demo's corpus)",
+    )
+    p.add_argument("--student-tokenizer", required=True, metavar="DIR")
+    p.add_argument(
+        "--teacher-tokenizer",
+        action="append",
+        default=[],
+        metavar="DIR",
+        required=True,
+        help="a cross teacher's tokenizer (repeatable)",
+    )
+    p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per student cell (at least 2)")
+    p.add_argument(
+        "--loss",
+        action="append",
+        choices=LOSSES,
+        default=None,
+        help=f"cross-tokenizer KD loss (repeatable; default {TeacherConfig.loss})",
+    )
+    p.add_argument("--kd-ratio", type=float, default=0.5)
+    p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
+    p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
+    p.add_argument("--teacher-steps", type=int, default=None, help="override the scale's")
+    p.add_argument("--student-steps", type=int, default=None, help="override the scale's")
+    p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
+    p.add_argument(
+        "--max-teacher-spread",
+        type=float,
+        default=0.03,
+        help="refuse when the teachers' bits per byte differ by more than this fraction",
+    )
+    p.add_argument(
+        "--min-teacher-gain",
+        type=float,
+        default=0.10,
+        help="refuse when a teacher is not this fraction better than the CE-only student",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs trained at once, each in its own process (default: the scale's; gpu: 4)",
+    )
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="train every student even when the comparison is refused (no gap closed is given)",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/quality"))
+    p.add_argument("--json", action="store_true", help="print one JSON object last on stdout")
+    p.set_defaults(func=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> QualitySpec:
+    scale = SCALES[args.scale]
+    changes: dict[str, Any] = {}
+    if args.teacher_steps is not None:
+        changes["teacher_steps"] = args.teacher_steps
+    if args.student_steps is not None:
+        changes["student_steps"] = args.student_steps
+    if args.device is not None:
+        changes["device"] = args.device
+    for key, value in changes.items():
+        if key.endswith("steps") and value < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    return QualitySpec(
+        student_tokenizer=args.student_tokenizer,
+        teacher_tokenizers=list(args.teacher_tokenizer),
+        out=args.out,
+        scale_name=args.scale,
+        scale=replace(scale, **changes),
+        corpora=list(args.corpus),
+        seeds=args.seeds,
+        losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
+        kd_ratio=args.kd_ratio,
+        top_k=args.top_k,
+        temperature=args.temperature,
+        max_teacher_spread=args.max_teacher_spread,
+        min_teacher_gain=args.min_teacher_gain,
+        keep_going=args.keep_going,
+        jobs=args.jobs if args.jobs is not None else scale.jobs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    experiment = Experiment(spec, log=log)
+    report = experiment.run()
+    print_table(report, file=sys.stderr if args.json else sys.stdout)
+    try:
+        png = plot_report(spec.out, report, experiment.cells)
+    except UserError as e:  # no matplotlib: the numbers are still there
+        png = None
+        log(f"[quality] no plot: {e}")
+    if png is not None:
+        log(f"[quality] curves: {png}")
+    log(f"[quality] summary: {spec.out / 'summary.json'}")
+    if args.json:
+        print(json.dumps(report))
+    return 1 if report["refused"] else 0

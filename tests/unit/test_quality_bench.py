@@ -1,0 +1,192 @@
+"""`crossdistill bench quality`: the gap-closed arithmetic and every refusal against numbers
+worked out by hand, the corpus split, the settings check, and the whole experiment end to end
+at its quick scale on two genuine tokenizers (GPT-2 student, Llama-2 teacher)."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+
+import pytest
+
+from crossdistill.bench.quality import (
+    PIECE_BYTES,
+    Cell,
+    QualitySpec,
+    corpus_pieces,
+    split_pieces,
+    summarize,
+)
+from crossdistill.cli import main
+from crossdistill.errors import UserError
+
+CELLS = [Cell("ce"), Cell("same", "llama3", "forward_kl"), Cell("cross-qwen3-kl", "qwen3", "kl")]
+
+
+def _spec(tmp_path, **kw) -> QualitySpec:
+    return QualitySpec(student_tokenizer="s", teacher_tokenizers=["t"], out=tmp_path, **kw)
+
+
+def _runs(cross: dict[int, float]) -> dict[str, dict[int, float]]:
+    return {
+        "ce": {0: 2.0, 1: 2.1, 2: 2.2},
+        "same": {0: 1.8, 1: 1.9, 2: 2.0},
+        "cross-qwen3-kl": cross,
+    }
+
+
+def test_gap_closed_per_seed_then_mean_and_spread(tmp_path):
+    teachers = {"llama3": 1.0, "qwen3": 1.02}
+    report = summarize(teachers, _runs({0: 1.9, 1: 1.95, 2: 1.9}), CELLS, "llama3", _spec(tmp_path))
+    assert report["refused"] is None
+    (entry,) = report["cross"]
+    closed = [(2.0 - 1.9) / 0.2, (2.1 - 1.95) / 0.2, (2.2 - 1.9) / 0.2]  # 0.5, 0.75, 1.5
+    assert entry["gap_closed"]["mean"] == pytest.approx(statistics.fmean(closed), abs=1e-12)
+    assert entry["gap_closed"]["std"] == pytest.approx(statistics.stdev(closed), abs=1e-12)
+    assert entry["bpb"]["mean"] == pytest.approx((1.9 + 1.95 + 1.9) / 3, abs=1e-12)
+    assert entry["beats_ce_every_seed"] is True
+    assert entry["tokenizer"] == "qwen3" and entry["loss"] == "kl" and entry["refused"] is None
+    assert report["ce_only"]["mean"] == pytest.approx(2.1) and report["ce_only"]["n"] == 3
+    assert report["teachers"] == teachers and report["default_loss"]
+
+
+def test_a_seed_where_cross_kd_loses_is_reported(tmp_path):
+    report = summarize(
+        {"llama3": 1.0, "qwen3": 1.0}, _runs({0: 1.9, 1: 2.15, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    (entry,) = report["cross"]
+    assert entry["beats_ce_every_seed"] is False
+    assert entry["gap_closed"]["runs"][1] == pytest.approx((2.1 - 2.15) / 0.2)
+
+
+def test_teachers_too_far_apart_refuse_the_pair(tmp_path):
+    report = summarize(
+        {"llama3": 1.0, "qwen3": 1.05}, _runs({0: 1.9, 1: 1.9, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    (entry,) = report["cross"]
+    assert "gap_closed" not in entry
+    assert "qwen3" in entry["refused"] and "5.0%" in entry["refused"]
+    assert report["refused"] == entry["refused"]  # the only pair: nothing left to compare
+    loose = summarize(
+        {"llama3": 1.0, "qwen3": 1.05}, _runs({0: 1.9, 1: 1.9, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path, max_teacher_spread=0.06),
+    )  # fmt: skip
+    assert loose["refused"] is None and "gap_closed" in loose["cross"][0]
+
+
+def test_a_teacher_no_better_than_the_student_refuses(tmp_path):
+    report = summarize(
+        {"llama3": 1.95, "qwen3": 1.95}, _runs({0: 1.9, 1: 1.9, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    assert "not 10% better than the CE-only student" in report["refused"]
+    assert "\n" not in report["refused"]
+    assert "gap_closed" not in report["cross"][0]
+
+
+def test_same_tokenizer_kd_that_does_not_help_refuses(tmp_path):
+    runs = _runs({0: 1.9, 1: 1.9, 2: 1.9})
+    runs["same"] = {0: 2.0, 1: 2.2, 2: 2.2}
+    report = summarize({"llama3": 1.0, "qwen3": 1.0}, runs, CELLS, "llama3", _spec(tmp_path))
+    assert report["refused"].startswith("same-tokenizer KD")
+
+
+def test_same_tokenizer_kd_losing_on_one_seed_refuses(tmp_path):
+    """On average better, but not on seed 1: that seed's gap closed would divide by noise."""
+    runs = _runs({0: 1.9, 1: 1.9, 2: 1.9})
+    runs["same"] = {0: 1.7, 1: 2.12, 2: 1.9}
+    report = summarize({"llama3": 1.0, "qwen3": 1.0}, runs, CELLS, "llama3", _spec(tmp_path))
+    assert report["refused"].startswith("same-tokenizer KD is not better than CE only on 1 of 3")
+    assert "(seed 1: 2.1200 vs 2.1000" in report["refused"]
+    assert "gap_closed" not in report["cross"][0]
+
+
+def test_a_diverged_run_is_refused_never_averaged(tmp_path):
+    report = summarize(
+        {"llama3": 1.0, "qwen3": 1.0}, _runs({0: 1.9, 1: math.nan, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    assert "cross-qwen3-kl seed 1" in report["refused"] and "non-finite" in report["refused"]
+    assert "gap_closed" not in report["cross"][0]
+    nan_teacher = summarize(
+        {"llama3": 1.0, "qwen3": math.inf}, _runs({0: 1.9}), CELLS, "llama3", _spec(tmp_path)
+    )
+    assert nan_teacher["refused"].startswith("teacher qwen3")
+
+
+def test_settings_are_checked_once_with_the_fix_named(tmp_path, tokenizer_dir):
+    llama3, qwen3 = str(tokenizer_dir("llama3")), str(tokenizer_dir("qwen3"))
+    base = dict(student_tokenizer=llama3, teacher_tokenizers=[qwen3], out=tmp_path)
+    QualitySpec(**base).check()
+    bad = [
+        (dict(seeds=1), "--seeds 5"),
+        (dict(teacher_tokenizers=[llama3]), "is the student's tokenizer"),
+        (dict(teacher_tokenizers=[]), "--teacher-tokenizer"),
+        (dict(losses=["nope"]), "unknown --loss 'nope'"),
+        (dict(kd_ratio=0.0), "--kd-ratio"),
+        (dict(corpora=[str(tmp_path / "missing.jsonl")]), "does not exist"),
+    ]
+    for change, message in bad:
+        with pytest.raises(UserError, match=message.replace("'", ".")):
+            QualitySpec(**{**base, **change}).check()
+
+
+def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
+    lines = [f"line {i} of the corpus, with some words to fill it out\n" for i in range(40_000)]
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(lines))
+    pieces = corpus_pieces([str(path)])
+    assert "".join(pieces) == "".join(lines)  # cut at line ends, nothing lost
+    assert all(len(p.encode()) <= PIECE_BYTES for p in pieces) and len(pieces) > 100
+    train, val = split_pieces(pieces, train_bytes=10**9, val_bytes=10**9)
+    assert (train, val) == split_pieces(list(pieces), train_bytes=10**9, val_bytes=10**9)
+    assert val and train and not set(train) & set(val)
+    assert len(train) + len(val) == len(set(pieces))
+    capped, _ = split_pieces(pieces, train_bytes=100_000, val_bytes=10**9)
+    assert sum(len(p.encode()) for p in capped) < 100_000 + PIECE_BYTES
+    with pytest.raises(UserError, match="too small"):
+        split_pieces(pieces[:2], train_bytes=10**9, val_bytes=10**9)
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
+    with pytest.raises(UserError, match="no text documents"):
+        corpus_pieces([str(tmp_path / "empty.jsonl")])
+
+
+def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenizer_dir, capsys):
+    """Teachers, five cells of students, JSON and plot; a rerun trains nothing; a stricter
+    threshold turns the same teachers into a one-line refusal and exit status 1."""
+    argv = [
+        "bench", "quality", "--scale", "quick", "--seeds", "2", "--json",
+        "--student-tokenizer", str(tokenizer_dir("gpt2")),
+        "--teacher-tokenizer", str(tokenizer_dir("llama2")),
+        "--out", str(tmp_path), "--max-teacher-spread", "1", "--min-teacher-gain", "0",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report["teachers"]) == {"gpt2", "llama2"}
+    assert all(math.isfinite(v) and 0 < v < 9 for v in report["teachers"].values())
+    assert report["ce_only"]["n"] == 2 and report["same_kd"]["n"] == 2
+    (entry,) = report["cross"]
+    assert entry["tokenizer"] == "llama2" and entry["bpb"]["n"] == 2
+    assert math.isfinite(entry["gap_closed"]["mean"]) and entry["gap_closed"]["std"] >= 0
+    assert isinstance(entry["beats_ce_every_seed"], bool) and report["default_loss"]
+    # the teachers learned: each beats every CE-only student of this scale by a wide margin
+    assert max(report["teachers"].values()) < 0.8 * min(report["ce_only"]["runs"])
+    assert (tmp_path / "quality.png").stat().st_size > 1000
+    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2 + 2 * 3
+    assert json.loads((tmp_path / "summary.json").read_text())["cross"] == report["cross"]
+
+    start = time.perf_counter()
+    assert main(argv) == 0  # everything reused
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cross"] == report["cross"]
+    assert time.perf_counter() - start < 30
+
+    strict = [*argv[:-4], "--min-teacher-gain", "0.9"]
+    assert main(strict) == 1
+    captured = capsys.readouterr()
+    refused = json.loads(captured.out.strip().splitlines()[-1])["refused"]
+    assert "not 90% better than the CE-only student" in refused
+    assert refused in captured.err
