@@ -30,6 +30,8 @@ LossName = Literal[
 ]
 DISTRIBUTION_LOSSES: tuple[str, ...] = get_args(DistributionLoss)
 LOSSES: tuple[str, ...] = get_args(LossName)
+Target = Literal["first_piece", "context"]
+TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
 # auto (= varlen: flash varlen over packed documents on CUDA, masked SDPA elsewhere), or a
 # transformers implementation name
@@ -91,6 +93,10 @@ class TeacherConfig(ModelConfig):
     beta: float = 0.5  # jsd mixing weight
     alpha: float = 0.1  # skew_kl skew
     projection: str | None = None  # prebuilt projection file; built on the fly when absent
+    # the projected losses' target at a chunk of one student token over several teacher tokens:
+    # "first_piece" gives the teacher's first token's mass to its first student piece;
+    # "context" gives the part that continues to the student's observed token to that token
+    target: Target = "first_piece"
     offload: bool = False  # keep on CPU between steps (small GPUs)
 
 

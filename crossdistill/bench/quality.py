@@ -9,7 +9,7 @@ from a teacher with the student's own tokenizer? A controlled experiment on a co
    corpus), CE only, from scratch. They differ only in the tokenizer. Cached by a hash of their
    config, the corpus and the tokenizer, so a rerun of the student cells does not retrain them.
 3. Students of one architecture, steps and data order, for every seed: CE only, same-tokenizer
-   KD, and cross-tokenizer KD for every teacher tokenizer and `--loss`.
+   KD, and cross-tokenizer KD for every teacher tokenizer, `--loss` and `--target`.
 4. Held-out bits per byte (mean ± standard deviation over seeds) and the gap closed,
    (CE only − cross KD) / (CE only − same-tokenizer KD), per seed, then mean ± std.
 
@@ -34,7 +34,15 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from crossdistill.config import LOSSES, Config, TeacherConfig, from_dict, to_dict
+from crossdistill.config import (
+    DISTRIBUTION_LOSSES,
+    LOSSES,
+    TARGETS,
+    Config,
+    TeacherConfig,
+    from_dict,
+    to_dict,
+)
 from crossdistill.errors import UserError
 
 ARCH_KEYS = (
@@ -170,6 +178,7 @@ class QualitySpec:
     corpora: list[str] = field(default_factory=list)  # empty: the demo's corpus
     seeds: int = 5
     losses: list[str] = field(default_factory=lambda: [TeacherConfig.loss])
+    targets: list[str] = field(default_factory=lambda: [TeacherConfig.target])
     kd_ratio: float = 0.5
     top_k: int = TeacherConfig.top_k
     temperature: float = TeacherConfig.temperature
@@ -189,6 +198,14 @@ class QualitySpec:
         for name in self.losses:
             if name not in LOSSES:
                 raise UserError(f"unknown --loss {name!r}; use one of {', '.join(LOSSES)}")
+        for name in self.targets:
+            if name not in TARGETS:
+                raise UserError(f"unknown --target {name!r}; use one of {', '.join(TARGETS)}")
+        if "context" in self.targets and set(self.losses) - set(DISTRIBUTION_LOSSES):
+            raise UserError(
+                "--target context applies to the projected losses only "
+                f"({', '.join(DISTRIBUTION_LOSSES)}); run other losses without it"
+            )
         if not 0.0 < self.kd_ratio <= 1.0:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:
@@ -394,11 +411,13 @@ def config_hash(cfg: Config, *extra: str) -> str:
 
 @dataclass
 class Cell:
-    """One kind of student run: its name, the teacher it learns from (None: CE only) and loss."""
+    """One kind of student run: its name, the teacher it learns from (None: CE only), its loss
+    and the projected losses' target."""
 
     name: str
     teacher: str | None = None  # a tokenizer label
     loss: str | None = None
+    target: str = TeacherConfig.target
 
 
 def summarize(
@@ -478,6 +497,8 @@ def summarize(
         entry: dict[str, Any] = {
             "tokenizer": cell.teacher,
             "loss": cell.loss,
+            "target": cell.target,
+            "cell": cell.name,
             "bpb": _stats(cross),
             "beats_ce_every_seed": bool(cross)
             and all(s in ce and v < ce[s] for s, v in cross.items()),
@@ -547,8 +568,9 @@ class Experiment:
             self.labels[path] = label
         self.cells = [Cell("ce"), Cell("same", self.same_label, SAME_LOSS)]
         for label in self.labels.values():
-            for loss in spec.losses:
-                self.cells.append(Cell(f"cross-{label}-{loss}", label, loss))
+            for loss, target in [(lo, ta) for lo in spec.losses for ta in spec.targets]:
+                suffix = "" if target == TeacherConfig.target else f"-{target}"
+                self.cells.append(Cell(f"cross-{label}-{loss}{suffix}", label, loss, target))
         self.teachers: dict[str, float] = {}
         self.teacher_paths: dict[str, Path] = {}
         self.teacher_info: dict[str, dict[str, Any]] = {}
@@ -656,6 +678,7 @@ class Experiment:
                     "path": str(self.teacher_paths[cell.teacher]),
                     "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
                     "loss": cell.loss,
+                    "target": cell.target,
                     "top_k": spec.top_k,
                     "temperature": spec.temperature,
                 }
@@ -695,6 +718,7 @@ class Experiment:
             "scale": self.spec.scale_name,
             "seeds": self.spec.seeds,
             "losses": self.spec.losses,
+            "targets": self.spec.targets,
             "kd_ratio": self.spec.kd_ratio,
             "top_k": self.spec.top_k,
             "temperature": self.spec.temperature,
@@ -735,6 +759,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
     print(f"  {'same-tokenizer KD':40s} {pm(report['same_kd'])}", file=file)
     for entry in report["cross"]:
         label = f"cross KD {entry['tokenizer']} {entry['loss']}"
+        if entry["target"] != TeacherConfig.target:
+            label += f" {entry['target']}"
         gap = entry.get("gap_closed")
         gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
         every = "" if entry["beats_ce_every_seed"] else "   (not better than CE on every seed)"
@@ -757,7 +783,7 @@ def plot_report(out: Path, report: dict[str, Any], cells: list[Cell]) -> Path | 
     names, means, stds = [], [], []
     stats_of = {"ce": report["ce_only"], "same": report["same_kd"]}
     for entry in report["cross"]:
-        stats_of[f"cross-{entry['tokenizer']}-{entry['loss']}"] = entry["bpb"]
+        stats_of[entry["cell"]] = entry["bpb"]
     for i, cell in enumerate(cells):
         folder = out / "students" / cell.name
         series: dict[int, list[float]] = {}
@@ -837,6 +863,13 @@ def add_parser(subparsers) -> None:
         default=None,
         help=f"cross-tokenizer KD loss (repeatable; default {TeacherConfig.loss})",
     )
+    p.add_argument(
+        "--target",
+        action="append",
+        choices=TARGETS,
+        default=None,
+        help=f"the projected losses' target (repeatable; default {TeacherConfig.target})",
+    )
     p.add_argument("--kd-ratio", type=float, default=0.5)
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
@@ -892,6 +925,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         corpora=list(args.corpus),
         seeds=args.seeds,
         losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
+        targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
         kd_ratio=args.kd_ratio,
         top_k=args.top_k,
         temperature=args.temperature,

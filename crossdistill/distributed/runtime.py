@@ -277,6 +277,10 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
     """Teacher `slot`'s KD term on micro-batch `tb` (its denominator and weight are set by the
     caller, from the whole global batch)."""
     params = {"beta": slot.cfg.beta, "alpha": slot.cfg.alpha}
+    first_t = None
+    if slot.cfg.target == "context" and not tb.same_as_student:
+        chunks = _to(tb.chunks, device)
+        first_t = _to(tb.input_ids, device).view(-1)[chunks[:, 2]]
     return KDTerm(
         targets=targets,
         projection=slot.projection,
@@ -287,6 +291,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         params=params,
         chunk_mask=_to(tb.kd_valid, device),
         name=slot.cfg.name,
+        first_t=first_t,
     )
 
 

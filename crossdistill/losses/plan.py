@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from crossdistill.config import LOSSES
+from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
-from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
+from crossdistill.losses.projection import Buckets, Continuation, VocabProjection, project_topk
 from crossdistill.losses.targets import TeacherTargets
 
 NEG_INF = float("-inf")
@@ -35,7 +35,10 @@ class KDTerm:
     with `flatten_chunks`, which masks those chunks out in `chunk_mask`.
     `denominator` is this term's *global* valid count (`kd_count`, summed over micro-batches and
     ranks); the term is `τ²·Σ D / denominator`. `params`: `beta` (jsd), `alpha` (skew_kl).
-    `chunk_mask [C]`: False keeps a chunk out of KD (template tokens)."""
+    `chunk_mask [C]`: False keeps a chunk out of KD (template tokens).
+    `first_t [C]`: the teacher's token id at each chunk's start (`t0`); with it, the projected
+    losses use the context-aware target (`projection.Continuation`), without it the first-piece
+    target."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -46,6 +49,7 @@ class KDTerm:
     params: dict[str, float] = field(default_factory=dict)
     chunk_mask: Tensor | None = None
     name: str = "teacher"
+    first_t: Tensor | None = None
 
     @property
     def temperature(self) -> float:
@@ -60,6 +64,11 @@ class KDTerm:
             raise UserError(f"jsd needs 0 < beta < 1 (teacher {self.name!r}), got {beta}")
         if self.loss == "skew_kl" and not 0.0 <= alpha < 1.0:
             raise UserError(f"skew_kl needs 0 <= alpha < 1 (teacher {self.name!r}), got {alpha}")
+        if self.first_t is not None and self.loss not in DISTRIBUTION_LOSSES:
+            raise UserError(
+                f"the context target needs a projected loss ({', '.join(DISTRIBUTION_LOSSES)}); "
+                f"teacher {self.name!r} uses {self.loss}: set its target to first_piece"
+            )
 
 
 def flatten_chunks(
@@ -210,7 +219,24 @@ def _bucket_rows(b: Buckets, rows: Tensor, valid: Tensor, n: int) -> tuple[Tenso
     )
 
 
-def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int) -> list[Part]:
+def continuation(term: KDTerm, labels_s: Tensor) -> Continuation | None:
+    """The context-aware target's view of each chunk (None without `term.first_t`)."""
+    if term.first_t is None:
+        return None
+    s0, s1, t0, t1 = term.chunks.unbind(-1)
+    n = labels_s.shape[0]
+    label = labels_s[(s0 - 1).clamp(0, n - 1)]
+    tg = term.targets
+    rest_bad = _span_sums((~tg.next_valid).double(), t0, t1 - 1)
+    return Continuation(
+        first_t=term.first_t.long(),
+        label=torch.where(s0 > 0, label, -1),
+        log_rest=_span_sums(tg.next_logprobs, t0, t1 - 1),
+        active=(s1 - s0 == 1) & (t1 - t0 > 1) & (rest_bad == 0),
+    )
+
+
+def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) -> list[Part]:
     tg, proj = term.targets, term.projection
     if term.loss == "chunk_likelihood":
         return []
@@ -228,7 +254,8 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int) -> list[Part]:
         rest_t = torch.where(exact_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
         rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=proj.common_student())
         return [common, rest]
-    b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj)
+    cont = continuation(term, labels_s)
+    b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
     ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
     params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
     return [Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)]
@@ -242,12 +269,14 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
         tg, topk_logprobs=tg.topk_logprobs.to(dtype), tail_logprob=tg.tail_logprob.to(dtype)
     )
     mask = None if term.chunk_mask is None else term.chunk_mask.to(device)
+    first_t = None if term.first_t is None else term.first_t.to(device)
     return dataclasses.replace(
         term,
         targets=tg,
         projection=term.projection.to(device),
         chunks=term.chunks.to(device).long(),
         chunk_mask=mask,
+        first_t=first_t,
     )
 
 
@@ -273,7 +302,7 @@ def _term_plan(term: KDTerm, labels_s: Tensor, kd_ratio: float, dtype: torch.dty
         chunk_weight=scaled,
         chunk_report=report,
         top1_s=_to_rows(first, rows, valid, n, -1),
-        parts=_parts(term, rows, valid, n),
+        parts=_parts(term, rows, valid, n, labels_s),
         chunks=chunks,
         valid_chunks=valid,
         complete_chunks=_complete(chunks, labels_s, tg.next_valid) & _mask(term),

@@ -159,10 +159,36 @@ def merge_buckets(ids: Tensor, logq: Tensor, logq_tail: Tensor, num_student: int
     )
 
 
+@dataclass
+class Continuation:
+    """What the text says at each KD position, for the context-aware target (`[M]` each): the
+    teacher's observed next token `first_t`, the student's observed next token `label` (−1:
+    none), and `log_rest`, the teacher's log-probability of the rest of the chunk after
+    `first_t` along the observed path; `active` marks chunks of one student token and several
+    teacher tokens, where that student token runs past the teacher's first one."""
+
+    first_t: Tensor
+    label: Tensor
+    log_rest: Tensor
+    active: Tensor
+
+
 def project_topk(
-    topk_ids: Tensor, topk_logprobs: Tensor, tail_logprob: Tensor, projection: VocabProjection
+    topk_ids: Tensor,
+    topk_logprobs: Tensor,
+    tail_logprob: Tensor,
+    projection: VocabProjection,
+    continuation: Continuation | None = None,
 ) -> Buckets:
-    """Project teacher top-k `[M, K]` (+ tail `[M]`) onto student buckets `[M, K·P]` + tail."""
+    """Project teacher top-k `[M, K]` (+ tail `[M]`) onto student buckets `[M, K·P]` + tail.
+
+    With `continuation` (the context-aware target), `[M, K·P + 1]`: where a chunk is one student
+    token over several teacher tokens and the observed teacher token is in the top-k, its mass
+    q is split: q·r goes to the student's observed token, whose bytes the teacher continues to
+    with probability r = exp(log_rest) after it, and q·(1 − r) to its pieces as before. At τ = 1
+    that is the teacher's exact probability of the student token's bytes along the observed
+    path. The distribution keeps its total; where no chunk is active the buckets are those of the
+    first-piece target."""
     teacher_ids = topk_ids.long()
     pieces = projection.pieces[teacher_ids]  # [M, K, P]
     log_w = projection.weights[teacher_ids].to(topk_logprobs.dtype).log()
@@ -172,5 +198,30 @@ def project_topk(
     tail = torch.logaddexp(tail_logprob, lost)
     # logaddexp(-inf, -inf) is nan on some builds: keep an empty tail empty
     tail = torch.where((tail_logprob == NEG_INF) & (lost == NEG_INF), NEG_INF, tail)
-    flat = pieces.flatten(-2)
-    return merge_buckets(flat, logq.flatten(-2), tail, projection.num_student)
+    flat, flat_logq = pieces.flatten(-2), logq.flatten(-2)
+    if continuation is not None:
+        flat, flat_logq, tail = _split_observed(
+            teacher_ids, topk_logprobs, unmapped, logq, pieces, tail, continuation
+        )
+    return merge_buckets(flat, flat_logq, tail, projection.num_student)
+
+
+def _split_observed(teacher_ids, topk_logprobs, unmapped, logq, pieces, tail, c: Continuation):
+    """The context-aware split of `project_topk`: entries `[M, K·P + 1]` and the tail."""
+    dtype = topk_logprobs.dtype
+    hit = (teacher_ids == c.first_t.long().unsqueeze(-1)) & c.active.unsqueeze(-1)
+    hit = hit & (c.label >= 0).unsqueeze(-1)  # [M, K]: at most one per row (distinct top-k ids)
+    log_r = c.log_rest.to(dtype).clamp(max=0.0).unsqueeze(-1)  # [M, 1]
+    keep = torch.log1p(-log_r.exp())  # log(1 − r); −inf when r = 1
+    moved_from = torch.where(hit, topk_logprobs, NEG_INF)  # [M, K] the observed token's mass
+    moved = moved_from.logsumexp(-1, keepdim=True) + log_r  # [M, 1]
+    moved = torch.where(hit.any(-1, keepdim=True), moved, NEG_INF)
+    # the observed token's pieces keep q·(1 − r); an unmapped one's tail share shrinks likewise
+    logq = torch.where(hit.unsqueeze(-1), logq + keep.unsqueeze(-1), logq)
+    tail_drop = torch.where(hit & unmapped, topk_logprobs, NEG_INF).logsumexp(-1)  # [M]
+    gone = tail_drop + log_r.squeeze(-1)
+    safe = torch.where(gone > NEG_INF, gone, tail)
+    less = tail + torch.log1p(-torch.exp(safe - tail).clamp(max=1.0))
+    tail = torch.where((gone > NEG_INF) & (tail > NEG_INF), less, tail)
+    to = torch.where(moved > NEG_INF, c.label.long().unsqueeze(-1), -1)
+    return torch.cat([pieces.flatten(-2), to], -1), torch.cat([logq.flatten(-2), moved], -1), tail

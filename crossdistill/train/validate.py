@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from crossdistill.config import Config, ModelConfig
+from crossdistill.config import DISTRIBUTION_LOSSES, Config, ModelConfig
 from crossdistill.errors import UserError
 
 # Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
@@ -72,6 +72,11 @@ def _check_top_k(t: Any, i: int, vocab_s: int, vocab_t: int) -> None:
     student's vocabulary. A forward KL is infinite once the projected top-k can cover every
     student id while the teacher keeps mass outside its top-k (k < its vocabulary): that mass
     would land on a student bucket of probability 0."""
+    if t.target == "context" and t.loss not in DISTRIBUTION_LOSSES:
+        raise UserError(
+            f"teachers.{i}.target = context needs a projected loss "
+            f"({', '.join(DISTRIBUTION_LOSSES)}), not {t.loss}: set teachers.{i}.target=first_piece"
+        )
     where = f"teachers.{i}.top_k = {t.top_k}"
     if t.loss in ("uld", "gold") and t.top_k > vocab_s:
         raise UserError(

@@ -22,13 +22,16 @@ def _on_cuda(terms):
     return terms
 
 
-@pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "uld", "gold", "chunk_likelihood"])
-def test_cuda_bf16_matches_float64(loss, fused):
-    hidden, weight, labels, terms = terms_for(loss, seed=40, n=64, n_t=60, v_s=3000, v_t=2500, k=32)
+def _bf16_cuda_against_float64(problem, fused: bool, reference=None) -> None:
+    """The CUDA pass on bf16 inputs against a float64 loss of the same bf16-rounded inputs
+    (`reference(h64, w64, labels, terms)`; default the plain loop reference)."""
+    hidden, weight, labels, terms = problem
     h64 = hidden.bfloat16().double().requires_grad_(True)
     w64 = weight.bfloat16().double().requires_grad_(True)
-    want = plain_student_loss(h64, w64, labels, terms, 0.6, int(ce_count(labels)))
+    if reference is None:
+        want = plain_student_loss(h64, w64, labels, terms, 0.6, int(ce_count(labels)))
+    else:
+        want = reference(h64, w64, labels, terms)
     gh, gw = torch.autograd.grad(want, (h64, w64))
     h = hidden.bfloat16().cuda().requires_grad_(True)
     w = weight.bfloat16().cuda().requires_grad_(True)
@@ -40,6 +43,27 @@ def test_cuda_bf16_matches_float64(loss, fused):
     assert abs(loss_v.item() - want.item()) < 1e-3 * abs(want.item())
     # bf16 gradient matmuls and bf16 storage: ~2^-9 per element
     assert rel(h.grad.double().cpu(), gh) < 1e-2 and rel(w.grad.double().cpu(), gw) < 1e-2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "uld", "gold", "chunk_likelihood"])
+def test_cuda_bf16_matches_float64(loss, fused):
+    problem = terms_for(loss, seed=40, n=64, n_t=60, v_s=3000, v_t=2500, k=32)
+    _bf16_cuda_against_float64(problem, fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_context_target_matches_float64(fused):
+    """The context-aware target adds one bucket per row (B = K + 1): the CUDA pass, fused
+    kernels included, against the float64 reference pass on the CPU."""
+    from tests.unit.test_context_target import context_terms
+
+    def reference(h64, w64, labels, terms):
+        args = (h64, w64, labels, terms, 0.6, ce_count(labels))
+        return student_loss(*args, chunk_size=16, backend="reference")[0]
+
+    problem = context_terms(44, n=64, n_t=60, v_s=3000, v_t=2500, k=32)
+    _bf16_cuda_against_float64(problem, fused, reference)
 
 
 def test_float32_master_weight_under_autocast_matches_float64():

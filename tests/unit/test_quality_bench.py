@@ -162,6 +162,7 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
         "bench", "quality", "--scale", "quick", "--seeds", "2", "--json",
         "--student-tokenizer", str(tokenizer_dir("gpt2")),
         "--teacher-tokenizer", str(tokenizer_dir("llama2")),
+        "--target", "first_piece", "--target", "context",
         "--out", str(tmp_path), "--max-teacher-spread", "1", "--min-teacher-gain", "0",
     ]  # fmt: skip
     assert main(argv) == 0
@@ -169,14 +170,17 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     assert set(report["teachers"]) == {"gpt2", "llama2"}
     assert all(math.isfinite(v) and 0 < v < 9 for v in report["teachers"].values())
     assert report["ce_only"]["n"] == 2 and report["same_kd"]["n"] == 2
-    (entry,) = report["cross"]
+    entry, context = report["cross"]
     assert entry["tokenizer"] == "llama2" and entry["bpb"]["n"] == 2
     assert math.isfinite(entry["gap_closed"]["mean"]) and entry["gap_closed"]["std"] >= 0
     assert isinstance(entry["beats_ce_every_seed"], bool) and report["default_loss"]
+    assert (entry["target"], context["target"]) == ("first_piece", "context")
+    assert context["cell"] == "cross-llama2-forward_kl-context" and context["bpb"]["n"] == 2
+    assert all(math.isfinite(v) for v in context["bpb"]["runs"])
     # the teachers learned: each beats every CE-only student of this scale by a wide margin
     assert max(report["teachers"].values()) < 0.8 * min(report["ce_only"]["runs"])
     assert (tmp_path / "quality.png").stat().st_size > 1000
-    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2 + 2 * 3
+    assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2 + 2 * 4
     assert json.loads((tmp_path / "summary.json").read_text())["cross"] == report["cross"]
 
     start = time.perf_counter()
@@ -190,3 +194,47 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     refused = json.loads(captured.out.strip().splitlines()[-1])["refused"]
     assert "not 90% better than the CE-only student" in refused
     assert refused in captured.err
+
+
+def _script(name: str, *args: str) -> dict:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / name
+    out = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
+    """Identical tokenizers: the first-piece target is right at every KD position; a
+    finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
+    where the student's token runs past the teacher's."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text(
+        "".join(f"def function_{i}(argument):\n    return argument\n" for i in range(800))
+    )
+    llama3 = str(tokenizer_dir("llama3"))
+    result = _script(
+        "target_bias.py", "--student", llama3, "--teacher", llama3, "--teacher",
+        str(tokenizer_dir("llama2")), "--corpus", str(corpus), "--json",
+    )  # fmt: skip
+    same, far = result["pairs"][llama3], result["pairs"][str(tokenizer_dir("llama2"))]
+    assert same["right"] == 1.0 and same["kd_positions"] > 1000
+    kinds = ("right", "student_longer", "student_shorter", "other")
+    assert sum(far[k] for k in kinds) == pytest.approx(1.0)
+    assert far["right"] < 0.95 and far["student_longer"] > far["student_shorter"]
+    assert far["label_bytes_where_wrong"] > far["target_bytes_where_wrong"]
+
+
+def test_student_noise_script_repeats_one_config_identically_on_cpu(tokenizer_dir, tmp_path):
+    result = _script(
+        "student_noise.py", "--tokenizer", str(tokenizer_dir("gpt2")), "--scale", "quick",
+        "--lrs", "2e-3", "--repeats", "2", "--jobs", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    (entry,) = result["runs"].values()
+    assert len(entry["runs"]) == 2 and math.isfinite(entry["mean"])
+    assert entry["range"] == 0.0  # the CPU is deterministic: repeats agree to the bit

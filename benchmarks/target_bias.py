@@ -1,0 +1,122 @@
+"""Where does the first-piece target put the teacher's probability of the text that follows?
+
+At each KD position (the start of an aligned chunk) the first-piece projection gives the
+teacher's probability of its observed next token t to `first_piece(t)`, the first student piece of
+t's bytes. The student's observed next token is `label`. When `first_piece(t) == label` the
+target's observed-path mass sits on the token the student has to predict; when it does not, the
+target teaches the student to put that mass on another token, one its own tokenizer would not
+emit there. This counts, on real text and real tokenizers, how often and why:
+
+- `right`: `first_piece(t) == label`;
+- `student_longer`: the student's token spans the chunk, the teacher needed several tokens (the
+  teacher's first token is a strict prefix of the student's: the target under-weights the longer
+  student token that actually follows);
+- `student_shorter`: the chunk has several student tokens and the first piece of t is not the
+  student's first token (the student splits t's bytes otherwise in context);
+- `other`: the rest (both sides several tokens).
+
+    python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
+        --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--json]
+
+No model is run: alignment and projection only, seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from crossdistill.alignment import align  # noqa: E402
+from crossdistill.alignment.projection import build_projection  # noqa: E402
+from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
+from crossdistill.bench.quality import corpus_pieces  # noqa: E402
+from crossdistill.models import load_tokenizer  # noqa: E402
+
+KINDS = ("right", "student_longer", "student_shorter", "other")
+
+
+def texts_of(corpora: list[str], limit: int) -> list[str]:
+    if corpora:
+        pieces = corpus_pieces(corpora)
+    else:
+        from crossdistill.train.demo_assets import stdlib_corpus
+
+        pieces, _ = stdlib_corpus(max_files=100_000, seed=0, train_bytes=limit, val_bytes=1)
+    out, size = [], 0
+    for text in pieces:
+        if size >= limit:
+            break
+        out.append(text)
+        size += len(text.encode())
+    return out
+
+
+def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
+    bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
+    first = build_projection(tok_t, tok_s).first_piece.numpy()
+    counts = dict.fromkeys(KINDS, 0)
+    label_bytes = target_bytes = 0
+    enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    enc_t = tok_t.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    for es, et in zip(enc_s, enc_t):
+        ids_s, ids_t = np.asarray(es.ids), np.asarray(et.ids)
+        chunks = align(ids_s, ids_t, bytes_s, bytes_t).chunks
+        s0, s1, t0, t1 = chunks.T
+        keep = (s0 > 0) & (t0 > 0)
+        s0, s1, t0, t1 = s0[keep], s1[keep], t0[keep], t1[keep]
+        label, target = ids_s[s0], first[ids_t[t0]]
+        right = target == label
+        one_s, one_t = s1 - s0 == 1, t1 - t0 == 1
+        counts["right"] += int(right.sum())
+        counts["student_longer"] += int((~right & one_s & ~one_t).sum())
+        counts["student_shorter"] += int((~right & ~one_s & one_t).sum())
+        counts["other"] += int((~right & ~(one_s ^ one_t)).sum())
+        label_bytes += int(bytes_s.lengths[label[~right]].sum())
+        target_bytes += int(bytes_s.lengths[target[~right & (target >= 0)]].sum())
+    total = sum(counts.values())
+    out: dict[str, float] = {"kd_positions": total}
+    out.update({k: v / max(total, 1) for k, v in counts.items()})
+    wrong = total - counts["right"]
+    out["label_bytes_where_wrong"] = label_bytes / max(wrong, 1)
+    out["target_bytes_where_wrong"] = target_bytes / max(wrong, 1)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--student", required=True, help="the student's tokenizer folder")
+    p.add_argument("--teacher", action="append", required=True, help="a teacher's tokenizer")
+    p.add_argument("--corpus", action="append", default=[])
+    p.add_argument("--bytes", type=int, default=2_000_000, help="text to read (UTF-8 bytes)")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    texts = texts_of(args.corpus, args.bytes)
+    tok_s = load_tokenizer(args.student)
+    rows = {}
+    for path in args.teacher:
+        rows[path] = pair_counts(texts, tok_s, load_tokenizer(path))
+    result = {
+        "student": args.student,
+        "corpus": args.corpus or ["python standard library"],
+        "bytes": sum(len(t.encode()) for t in texts),
+        "pairs": rows,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print("| teacher | KD positions | right | student longer | student shorter | other |")
+    print("|---|---|---|---|---|---|")
+    for path, r in rows.items():
+        cells = " | ".join(f"{r[k]:.1%}" for k in KINDS)
+        print(f"| {path} | {r['kd_positions']} | {cells} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
