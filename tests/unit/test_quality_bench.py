@@ -11,14 +11,8 @@ import time
 
 import pytest
 
-from crossdistill.bench.quality import (
-    PIECE_BYTES,
-    Cell,
-    QualitySpec,
-    corpus_pieces,
-    split_pieces,
-    summarize,
-)
+from crossdistill.bench.quality import PIECE_BYTES, QualitySpec, corpus_pieces, split_pieces
+from crossdistill.bench.quality_report import Cell, summarize
 from crossdistill.cli import main
 from crossdistill.errors import UserError
 

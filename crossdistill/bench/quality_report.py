@@ -1,0 +1,209 @@
+"""What the runs of `crossdistill bench quality` say: the summary with its refusals (`summarize`),
+the table and the plot. Pure functions of the finished runs, so a report can be rebuilt from
+`cells.jsonl` alone."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from crossdistill.config import TeacherConfig
+
+
+@dataclass
+class Cell:
+    """One kind of student run: its name, the teacher it learns from (None: CE only), its loss
+    and the projected losses' target."""
+
+    name: str
+    teacher: str | None = None  # a tokenizer label
+    loss: str | None = None
+    target: str = TeacherConfig.target
+
+
+def summarize(
+    teachers: dict[str, float],
+    runs: dict[str, dict[int, float]],
+    cells: list[Cell],
+    same_label: str,
+    spec: Any,
+) -> dict[str, Any]:
+    """The report from the finished runs (`runs[cell][seed]` = held-out bits per byte) under the
+    thresholds of `spec` (a `quality.QualitySpec`, which imports this module).
+
+    `refused` (one line) when nothing can be compared: a run diverged, the same-tokenizer
+    teacher is not `min_teacher_gain` better than the CE-only student, same-tokenizer KD does
+    not beat CE only (on average or on any one seed: the gap closed of that seed would divide by
+    noise), or every cross pair is refused. A cross pair is refused on its own
+    (`entry["refused"]`, no `gap_closed`) when its teacher is more than `max_teacher_spread`
+    from the same-tokenizer teacher or not `min_teacher_gain` better than the CE-only student."""
+    ce, same = runs.get("ce", {}), runs.get("same", {})
+    report: dict[str, Any] = {
+        "teachers": dict(teachers),
+        "same_tokenizer": same_label,
+        "ce_only": _stats(ce),
+        "same_kd": _stats(same),
+        "cross": [],
+        "default_loss": TeacherConfig.loss,
+        "refused": None,
+    }
+    ce_mean, same_mean = report["ce_only"]["mean"], report["same_kd"]["mean"]
+
+    def teacher_problem(name: str) -> str | None:
+        value = teachers[name]
+        if name != same_label and same_label in teachers:
+            spread = abs(value / teachers[same_label] - 1)
+            if spread > spec.max_teacher_spread:
+                return (
+                    f"teacher {name} ({value:.4f} bits per byte) is {spread:.1%} from the "
+                    f"same-tokenizer teacher ({teachers[same_label]:.4f}), more than "
+                    f"{spec.max_teacher_spread:.0%}: a difference between students would be the "
+                    "teachers', not the tokenizers'; train the teachers longer or larger"
+                )
+        if ce_mean is not None and len(ce) >= 2 and value > ce_mean * (1 - spec.min_teacher_gain):
+            return (
+                f"teacher {name} ({value:.4f} bits per byte) is not {spec.min_teacher_gain:.0%} "
+                f"better than the CE-only student ({ce_mean:.4f}): it has little to teach; "
+                "train the teachers longer or larger"
+            )
+        return None
+
+    broken = [f"teacher {name}" for name, v in teachers.items() if not math.isfinite(v)]
+    broken += [
+        f"{c} seed {s}" for c, r in runs.items() for s, v in r.items() if not math.isfinite(v)
+    ]
+    if broken:
+        report["refused"] = (
+            f"{broken[0]} gave a non-finite bits per byte: that run diverged; lower the learning "
+            "rate (or look at its metrics.jsonl) before comparing"
+        )
+    elif same_label in teachers and teacher_problem(same_label):
+        report["refused"] = teacher_problem(same_label)
+    elif len(same) >= 2 and len(ce) >= 2 and same_mean >= ce_mean:
+        report["refused"] = (
+            f"same-tokenizer KD ({same_mean:.4f} bits per byte) is not better than CE only "
+            f"({ce_mean:.4f}), so there is no gap to close; use stronger teachers or a higher "
+            "--kd-ratio"
+        )
+    elif losing := [s for s in same if s in ce and same[s] >= ce[s]]:
+        report["refused"] = (
+            f"same-tokenizer KD is not better than CE only on {len(losing)} of {len(same)} "
+            f"seeds (seed {losing[0]}: {same[losing[0]]:.4f} vs {ce[losing[0]]:.4f} bits per "
+            "byte): the gap to close is within the run-to-run noise; lower the student's "
+            "learning rate, train longer or use stronger teachers"
+        )
+    for cell in cells:
+        if cell.teacher is None or cell.name == "same" or cell.name not in runs:
+            continue
+        cross = runs[cell.name]
+        entry: dict[str, Any] = {
+            "tokenizer": cell.teacher,
+            "loss": cell.loss,
+            "target": cell.target,
+            "cell": cell.name,
+            "bpb": _stats(cross),
+            "beats_ce_every_seed": bool(cross)
+            and all(s in ce and v < ce[s] for s, v in cross.items()),
+            "seeds": sorted(cross),
+            "refused": report["refused"] or teacher_problem(cell.teacher),
+        }
+        paired = [s for s in cross if s in ce and s in same]
+        if entry["refused"] is None and len(paired) >= 2 and all(ce[s] != same[s] for s in paired):
+            closed = {s: (ce[s] - cross[s]) / (ce[s] - same[s]) for s in paired}
+            entry["gap_closed"] = _stats(closed)
+        report["cross"].append(entry)
+    pairs = [label for label in teachers if label != same_label]
+    if report["refused"] is None and pairs and all(teacher_problem(p) for p in pairs):
+        report["refused"] = teacher_problem(pairs[0])
+    return report
+
+
+def _stats(values: dict[int, float]) -> dict[str, Any]:
+    """Mean and sample standard deviation; none of either when a value is not finite (the
+    report refuses such a comparison, and JSON has no NaN)."""
+    xs = [values[s] for s in sorted(values)]
+    if not xs or not all(math.isfinite(x) for x in xs):
+        runs = [x if math.isfinite(x) else None for x in xs]
+        return {"mean": None, "std": None, "n": len(xs), "runs": runs}
+    std = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return {"mean": statistics.fmean(xs), "std": std, "n": len(xs), "runs": xs}
+
+
+def print_table(report: dict[str, Any], file=sys.stdout) -> None:
+    def pm(stats: dict[str, Any]) -> str:
+        if not stats or stats.get("mean") is None:
+            return "-"
+        return f"{stats['mean']:.4f} ± {stats['std']:.4f}"
+
+    print("\nteachers, held-out bits per byte:", file=file)
+    for name, value in report["teachers"].items():
+        mark = " (student's tokenizer)" if name == report.get("same_tokenizer") else ""
+        print(f"  {name:24s} {value:.4f}{mark}", file=file)
+    print("\nstudents, held-out bits per byte (mean ± std over seeds):", file=file)
+    print(f"  {'CE only':40s} {pm(report['ce_only'])}", file=file)
+    print(f"  {'same-tokenizer KD':40s} {pm(report['same_kd'])}", file=file)
+    for entry in report["cross"]:
+        label = f"cross KD {entry['tokenizer']} {entry['loss']}"
+        if entry["target"] != TeacherConfig.target:
+            label += f" {entry['target']}"
+        gap = entry.get("gap_closed")
+        gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
+        every = "" if entry["beats_ce_every_seed"] else "   (not better than CE on every seed)"
+        if entry["refused"] and not report["refused"]:
+            every += f"\n    no comparison: {entry['refused']}"
+        print(f"  {label:40s} {pm(entry['bpb'])}{gap_text}{every}", file=file)
+    if report["refused"]:
+        print(f"\nno comparison: {report['refused']}", file=file)
+
+
+def plot_report(out: Path, report: dict[str, Any], cells: list[Cell]) -> Path | None:
+    """OUT/quality.png: the students' training CE (mean over seeds) and held-out bits per byte."""
+    from crossdistill.train.metrics import METRICS_FILE, read_metrics
+    from crossdistill.train.plot import matplotlib_classes
+
+    figure_cls, canvas_cls = matplotlib_classes()
+    fig = figure_cls(figsize=(11, 4.5), layout="constrained")
+    canvas_cls(fig)
+    curves, bars = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    names, means, stds = [], [], []
+    stats_of = {"ce": report["ce_only"], "same": report["same_kd"]}
+    for entry in report["cross"]:
+        stats_of[entry["cell"]] = entry["bpb"]
+    for i, cell in enumerate(cells):
+        folder = out / "students" / cell.name
+        series: dict[int, list[float]] = {}
+        for run in sorted(folder.glob("seed*")):
+            if not (run / METRICS_FILE).is_file():
+                continue
+            for record in read_metrics(run / METRICS_FILE):
+                if isinstance(record.get("ce"), (int, float)):
+                    series.setdefault(record["step"], []).append(record["ce"])
+        if series:
+            steps = sorted(series)
+            curves.plot(
+                steps, [statistics.fmean(series[s]) for s in steps], f"C{i}-", label=cell.name
+            )
+        stats = stats_of.get(cell.name)
+        if stats and stats.get("mean") is not None:
+            names.append(cell.name)
+            means.append(stats["mean"])
+            stds.append(stats["std"])
+    if not names:
+        return None
+    curves.set_title("Students' training CE (mean over seeds)")
+    curves.set_xlabel("step")
+    curves.grid(True, alpha=0.3)
+    curves.legend(fontsize="small")
+    bars.bar(range(len(names)), means, yerr=stds, color=[f"C{i}" for i in range(len(names))])
+    bars.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize="small")
+    low = min(m - s for m, s in zip(means, stds))
+    high = max(m + s for m, s in zip(means, stds))
+    bars.set_ylim(low - 0.2 * (high - low + 1e-3), high + 0.2 * (high - low + 1e-3))
+    bars.set_title("Held-out bits per byte (mean ± std; lower is better)")
+    path = out / "quality.png"
+    fig.savefig(path, dpi=100)
+    return path
