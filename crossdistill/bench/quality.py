@@ -73,6 +73,9 @@ class Scale:
     num_workers: int = 0
     teacher_accum: int = 1  # micro-batches of teacher_batch sequences per teacher step
     jobs: int = 1  # runs at once: small models leave a GPU mostly idle, so several share it
+    # the students' training text: the first this many bytes of the teachers' (epochs repeat
+    # over it), as a student is distilled on less text than its teacher saw; None: all of it
+    student_train_bytes: int | None = None
 
 
 SCALES: dict[str, Scale] = {
@@ -292,7 +295,9 @@ def split_pieces(
 
 def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, list[str]]:
     """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
-    folder, so nothing trained on the old one is reused); returns it and the training texts."""
+    folder, so nothing trained on the old one is reused); returns it and the training texts.
+    With `scale.student_train_bytes` the students' share of the training text is written beside
+    them (`student_train_file`)."""
     if corpora:
         train, val = split_pieces(corpus_pieces(corpora), scale.train_bytes, scale.val_bytes)
     else:
@@ -315,7 +320,26 @@ def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, lis
                 for text in texts:
                     f.write(json.dumps({"text": text}) + "\n")
             tmp.replace(path)
+    if scale.student_train_bytes is not None:
+        path = student_train_file(folder, scale)
+        if not path.is_file():
+            tmp = path.with_suffix(".tmp")
+            size = 0
+            with open(tmp, "w", encoding="utf-8") as f:
+                for text in train:
+                    if size >= scale.student_train_bytes:
+                        break
+                    f.write(json.dumps({"text": text}) + "\n")
+                    size += len(text.encode())
+            tmp.replace(path)
     return folder, train
+
+
+def student_train_file(data: Path, scale: Scale) -> Path:
+    """The students' training JSONL in the corpus folder `data`."""
+    if scale.student_train_bytes is None:
+        return data / "train.jsonl"
+    return data / f"train-first-{scale.student_train_bytes}.jsonl"
 
 
 def bytes_per_token(tokenizer: str, texts: list[str], sample_bytes: int = 2_000_000) -> float:
@@ -368,13 +392,15 @@ def run_config(
     teachers: list[dict[str, Any]] | None = None,
     progress: bool = True,
     accum: int = 1,
+    train_file: Path | None = None,
 ) -> Config:
+    """One training run; `train_file` (default: all of the training text) is what it reads."""
     s = spec.scale
     raw = {
         "student": model,
         "teachers": teachers or [],
         "data": {
-            "train": [str(data / "train.jsonl")],
+            "train": [str(train_file or data / "train.jsonl")],
             "validation": [str(data / "val.jsonl")],
             "seq_len": seq_len,
             "micro_batch_size": batch,
@@ -568,7 +594,7 @@ class Experiment:
         cfg = run_config(
             spec, self.data, run_dir, student, steps=s.student_steps, lr=s.student_lr,
             seq_len=s.seq_len, batch=s.student_batch, seed=seed, teachers=teachers,
-            progress=False,
+            progress=False, train_file=student_train_file(self.data, s),
         )  # fmt: skip
 
         def done(bpb: float) -> None:
@@ -611,7 +637,12 @@ class Experiment:
                 "steps": s.teacher_steps,
                 "batch": s.teacher_batch * s.teacher_accum,
             },
-            "student": {**s.student, "steps": s.student_steps, "batch": s.student_batch},
+            "student": {
+                **s.student,
+                "steps": s.student_steps,
+                "batch": s.student_batch,
+                "train_bytes": s.student_train_bytes,
+            },
             "seq_len": s.seq_len,
             "device": s.device,
         }
@@ -677,6 +708,14 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
     p.add_argument("--teacher-steps", type=int, default=None, help="override the scale's")
     p.add_argument("--student-steps", type=int, default=None, help="override the scale's")
+    p.add_argument(
+        "--student-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="students train on the first N bytes of the teachers' training text, in epochs "
+        "(default: the scale's)",
+    )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
     p.add_argument(
         "--max-teacher-spread",
@@ -715,6 +754,13 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         changes["student_steps"] = args.student_steps
     if args.device is not None:
         changes["device"] = args.device
+    if args.student_bytes is not None:
+        if args.student_bytes < PIECE_BYTES:
+            raise UserError(
+                f"--student-bytes {args.student_bytes} is less than one piece of the corpus "
+                f"({PIECE_BYTES} bytes); give at least {PIECE_BYTES}"
+            )
+        changes["student_train_bytes"] = args.student_bytes
     for key, value in changes.items():
         if key.endswith("steps") and value < 1:
             raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {value}")

@@ -129,6 +129,18 @@ def test_settings_are_checked_once_with_the_fix_named(tmp_path, tokenizer_dir):
             QualitySpec(**{**base, **change}).check()
 
 
+def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):
+    argv = [
+        "bench", "quality", "--student-tokenizer", str(tokenizer_dir("gpt2")),
+        "--teacher-tokenizer", str(tokenizer_dir("llama2")), "--out", str(tmp_path),
+        "--student-bytes", "100",
+    ]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"give at least {PIECE_BYTES}" in err[0]
+    assert not (tmp_path / "data").exists()
+
+
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
     lines = [f"line {i} of the corpus, with some words to fill it out\n" for i in range(40_000)]
     path = tmp_path / "corpus.txt"
@@ -232,3 +244,37 @@ def test_student_noise_script_repeats_one_config_identically_on_cpu(tokenizer_di
     (entry,) = result["runs"].values()
     assert len(entry["runs"]) == 2 and math.isfinite(entry["mean"])
     assert entry["range"] == 0.0  # the CPU is deterministic: repeats agree to the bit
+
+
+def test_kd_headroom_script_grid_on_cpu(tokenizer_dir, tmp_path):
+    """Every cell of the grid (student text, top-k) is trained and compared with its own CE-only
+    student; the students' text is the first bytes of the teacher's, whole pieces."""
+    result = _script(
+        "kd_headroom.py", "--tokenizer", str(tokenizer_dir("gpt2")), "--scale", "quick",
+        "--teacher-steps", "4", "--student-steps", "3", "--kd-ratios", "0", "0.5",
+        "--top-k", "8", "64", "--student-bytes", "20000", "0", "--seeds", "0", "--jobs", "1",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    cells = result["cells"]
+    assert sorted(cells) == sorted(
+        f"small bytes {n} {kind}"
+        for n in (0, 20000)
+        for kind in ("kd 0", "kd 0.5 k 8 T 1", "kd 0.5 k 64 T 1")
+    )
+    assert all(math.isfinite(c["mean"]) for c in cells.values())
+    for n in (0, 20000):
+        ce = cells[f"small bytes {n} kd 0"]["runs"]["0"]
+        for k in (8, 64):
+            cell = cells[f"small bytes {n} kd 0.5 k {k} T 1"]
+            assert cell["change_vs_ce"]["0"] == pytest.approx(cell["runs"]["0"] / ce - 1)
+    # other text and another top-k are other runs, not reused ones
+    assert cells["small bytes 0 kd 0"]["mean"] != cells["small bytes 20000 kd 0"]["mean"]
+    assert (
+        cells["small bytes 0 kd 0.5 k 8 T 1"]["mean"]
+        != cells["small bytes 0 kd 0.5 k 64 T 1"]["mean"]
+    )
+    (data,) = (tmp_path / "data").iterdir()
+    full = (data / "train.jsonl").read_text().splitlines()
+    share = (data / "train-first-20000.jsonl").read_text().splitlines()
+    assert share == full[: len(share)] and 0 < len(share) < len(full)
+    assert sum(len(json.loads(line)["text"].encode()) for line in share[:-1]) < 20000
