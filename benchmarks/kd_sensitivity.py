@@ -22,6 +22,7 @@ per byte of every run) and writes it to `--out`/`kd_sensitivity.json`. Runs alre
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -37,7 +38,11 @@ def run_seed(
     kd_ratios: list[float],
     losses: tuple[str, ...] = ("forward_kl",),
     which: tuple[str, ...] = ("cross", "same"),
+    targets: tuple[str, ...] = ("first_piece",),
+    top_k: int | None = None,
+    student_lr: float | None = None,
 ) -> dict:
+    from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
     from crossdistill.train import demo
     from crossdistill.train.demo_assets import train_demo_tokenizers
@@ -54,30 +59,38 @@ def run_seed(
         "same": demo._model(t, student_tok, v_s),  # the student's own tokenizer
     }
     result: dict = {"seed": seed}
-    for name, model in teachers.items():
+    for name in which:  # only the teachers asked for
+        model = teachers[name]
         cfg = demo.stage_config(out, f"teacher_{name}", model, t["steps"], t["lr"], seed, evals)
         result[f"teacher_{name}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
     student = demo._model(s, student_tok, v_s)
-    cfg = demo.stage_config(out, "student_ce", student, s["steps"], s["lr"], seed, evals)
-    result["ce_only_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
-    for name in which:
-        for loss in losses:
-            entry = {
-                "name": "teacher",
-                "path": str(out / f"teacher_{name}" / "final"),
-                "dtype": "float32",
-                "loss": loss,
-                "top_k": demo.DEMO["top_k"],
-                "temperature": 1.0,
-            }
-            tag = name if loss == "forward_kl" else f"{name}_{loss}"
-            for ratio in kd_ratios:
-                cfg = demo.stage_config(
-                    out, f"kd_{tag}_{ratio}", student, s["steps"], s["lr"], seed, evals, [entry]
-                )
-                cfg.train.kd_ratio = ratio
-                final = demo.run_stage(cfg, reuse=True)
-                result[f"kd_{tag}_{ratio}_bpb"] = final["val/bpb/student"]
+    lr = student_lr or s["lr"]
+    lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
+    cfg = demo.stage_config(out, f"student_ce{lr_tag}", student, s["steps"], lr, seed, evals)
+    result[f"ce_only{lr_tag}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
+    k = top_k or demo.DEMO["top_k"]
+    for name, loss, target in itertools.product(which, losses, targets):
+        if target != "first_piece" and loss not in DISTRIBUTION_LOSSES:
+            continue  # the other targets change the projected losses only
+        entry = {
+            "name": "teacher",
+            "path": str(out / f"teacher_{name}" / "final"),
+            "dtype": "float32",
+            "loss": loss,
+            "target": target,
+            "top_k": k,
+            "temperature": 1.0,
+        }
+        tag = name if loss == "forward_kl" else f"{name}_{loss}"
+        tag += "" if target == "first_piece" else f"_{target}"
+        tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + lr_tag
+        for ratio in kd_ratios:
+            cfg = demo.stage_config(
+                out, f"kd_{tag}_{ratio}", student, s["steps"], lr, seed, evals, [entry]
+            )
+            cfg.train.kd_ratio = ratio
+            final = demo.run_stage(cfg, reuse=True)
+            result[f"kd_{tag}_{ratio}_bpb"] = final["val/bpb/student"]
     return result
 
 
@@ -89,6 +102,11 @@ def main() -> int:
     p.add_argument("--kd-ratios", type=float, nargs="+", default=[0.2, 0.5])
     p.add_argument("--losses", nargs="+", default=["forward_kl"], help="KD losses to run")
     p.add_argument("--teachers", nargs="+", default=["cross", "same"], choices=["cross", "same"])
+    p.add_argument(
+        "--targets", nargs="+", default=["first_piece"], help="projected losses' targets"
+    )
+    p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
+    p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     out = Path(args.out)
@@ -97,7 +115,14 @@ def main() -> int:
     for seed in args.seeds:
         rows.append(
             run_seed(
-                out / f"seed{seed}", seed, args.kd_ratios, tuple(args.losses), tuple(args.teachers)
+                out / f"seed{seed}",
+                seed,
+                args.kd_ratios,
+                tuple(args.losses),
+                tuple(args.teachers),
+                tuple(args.targets),
+                args.top_k,
+                args.student_lr,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

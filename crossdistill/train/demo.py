@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from crossdistill.config import Config, from_dict, to_dict
-from crossdistill.errors import UserError
 
 # Sizes chosen so the whole demo runs in about 3 minutes on 2 CPU cores (183 s measured).
 DEMO = {
@@ -210,13 +209,9 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         "seed": seed,
         "quick": quick,
     }
+    summary["kd_change"] = summary["distilled_bpb"] / summary["ce_only_bpb"] - 1
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     _print_table(summary, out)
-    if not quick and summary["distilled_bpb"] >= summary["ce_only_bpb"]:
-        raise UserError(
-            f"the distilled student ({summary['distilled_bpb']:.4f} bpb) did not beat the CE-only "
-            f"student ({summary['ce_only_bpb']:.4f} bpb); this is a bug, please report it with {out}"
-        )
     return summary
 
 
@@ -229,4 +224,13 @@ def _print_table(summary: dict[str, Any], out: Path) -> None:
     print("\nheld-out bits per byte (lower is better)")
     for label, value in rows:
         print(f"  {label:28s} {value:.4f}")
+    change = summary["kd_change"]
+    if change < 0:
+        print(f"\nKD: {-change:.1%} fewer bits per byte than CE only")
+    else:
+        # a result, not a failure: the per-seed table in the README shows where this happens
+        print(
+            f"\nKD: {change:.1%} more bits per byte than CE only on this seed; cross-tokenizer "
+            "KD does not yet help on every seed (README, 'The demo')"
+        )
     print(f"\n{summary['seconds']:.0f} s; runs, plots and summary.json in {out}")
