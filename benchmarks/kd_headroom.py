@@ -20,11 +20,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import replace
 from pathlib import Path
 
@@ -37,6 +35,7 @@ from crossdistill.bench.quality import (  # noqa: E402
     model_entry,
     run_config,
     student_train_file,
+    train_many,
     train_one,
     write_corpus,
 )
@@ -140,24 +139,19 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
         runs[(size, n, kind, seed)] = cfg
     results: dict[tuple[str, int, str], dict[int, float]] = {}
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.jobs, context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(train_one, to_dict(cfg)): key for key, cfg in runs.items()}
-        for future in as_completed(futures):
-            size, n, kind, seed = futures[future]
-            bpb = future.result()
-            results.setdefault((size, n, kind), {})[seed] = bpb
-            row = {
-                "size": size,
-                "student_bytes": n,
-                "cell": kind,
-                "seed": seed,
-                "bpb": bpb,
-                "seconds": time.perf_counter() - start,
-            }
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            with open(log, "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+    for (size, n, kind, seed), bpb in train_many(runs, args.jobs):
+        results.setdefault((size, n, kind), {})[seed] = bpb
+        row = {
+            "size": size,
+            "student_bytes": n,
+            "cell": kind,
+            "seed": seed,
+            "bpb": bpb,
+            "seconds": time.perf_counter() - start,
+        }
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
 
     cells = {}
     for (size, n, kind), by_seed in sorted(results.items()):

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -29,10 +27,9 @@ from crossdistill.bench.quality import (  # noqa: E402
     QualitySpec,
     model_entry,
     run_config,
-    train_one,
+    train_many,
     write_corpus,
 )
-from crossdistill.config import to_dict  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 
 
@@ -65,23 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                 runs[(seed, lr, r)] = cfg
     results: dict[tuple[int, float], list[float]] = {}
     start = time.perf_counter()
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.jobs, context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(train_one, to_dict(cfg)): key for key, cfg in runs.items()}
-        for future in as_completed(futures):
-            seed, lr, r = futures[future]
-            bpb = future.result()
-            results.setdefault((seed, lr), []).append(bpb)
-            row = {
-                "seed": seed,
-                "lr": lr,
-                "repeat": r,
-                "bpb": bpb,
-                "seconds": time.perf_counter() - start,
-            }
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            with open(args.out / "noise.jsonl", "a", encoding="utf-8") as f:
-                f.write(json.dumps(row) + "\n")
+    for (seed, lr, r), bpb in train_many(runs, args.jobs):
+        results.setdefault((seed, lr), []).append(bpb)
+        row = {"seed": seed, "lr": lr, "repeat": r, "bpb": bpb}
+        row["seconds"] = time.perf_counter() - start
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        with open(args.out / "noise.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
     summary = {
         "scale": args.scale,
         "runs": {

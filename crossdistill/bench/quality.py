@@ -27,7 +27,7 @@ import hashlib
 import json
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -457,6 +457,19 @@ def train_one(raw: dict[str, Any]) -> float:
     return run_stage(from_dict(Config, raw), reuse=True)["val/bpb/student"]
 
 
+def train_many(cfgs: dict[Any, Config], jobs: int) -> Iterator[tuple[Any, float]]:
+    """Train every config, `jobs` at a time, each in a fresh spawned process (no CUDA state
+    crosses a fork); yields `(key, held-out bits per byte)` as each run finishes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(jobs, context, max_tasks_per_child=1) as pool:
+        futures = {pool.submit(train_one, to_dict(cfg)): key for key, cfg in cfgs.items()}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
 class Experiment:
     """Runs the cells of a `QualitySpec` in order, reusing every finished run."""
 
@@ -524,20 +537,12 @@ class Experiment:
                 job.done(run_stage(job.cfg, reuse=True)["val/bpb/student"])
                 self._record(job, start)
             return
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor, as_completed
-
-        context = multiprocessing.get_context("spawn")  # no CUDA state crosses a fork
-        with ProcessPoolExecutor(self.spec.jobs, context, max_tasks_per_child=1) as pool:
-            started = {}
-            for job in jobs:
-                started[pool.submit(train_one, to_dict(job.cfg))] = job
-                self.log(f"[quality] {job.describe}")
-            start = time.perf_counter()
-            for future in as_completed(started):
-                job = started[future]
-                job.done(future.result())
-                self._record(job, start)
+        for job in jobs:
+            self.log(f"[quality] {job.describe}")
+        start = time.perf_counter()
+        for i, bpb in train_many({i: job.cfg for i, job in enumerate(jobs)}, self.spec.jobs):
+            jobs[i].done(bpb)
+            self._record(jobs[i], start)
 
     def _teacher(self, path: str, label: str, vocab: int, seq_len: int, bpt: float) -> Job:
         from crossdistill.models.tokenizers import load_text_tokenizer, tokenizer_fingerprint
