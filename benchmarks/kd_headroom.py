@@ -34,10 +34,10 @@ from crossdistill.bench.quality import (  # noqa: E402
     QualitySpec,
     model_entry,
     run_config,
-    student_train_file,
     train_many,
     train_one,
     write_corpus,
+    write_student_share,
 )
 from crossdistill.config import to_dict  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
@@ -86,12 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = QualitySpec(args.tokenizer, ["unused"], args.out, args.scale, scale, args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "headroom.jsonl"
-    data, _ = write_corpus(args.out, args.corpus, scale)
-    train_files = {}
-    for n in args.student_bytes:
-        share = replace(scale, student_train_bytes=n or None)
-        write_corpus(args.out, args.corpus, share)
-        train_files[n] = student_train_file(data, share)
+    data, train_texts = write_corpus(args.out, args.corpus, scale)
+    train_files = {
+        n: write_student_share(data, train_texts, n) if n else data / "train.jsonl"
+        for n in args.student_bytes
+    }
     vocab = len(load_tokenizer(args.tokenizer))
     start = time.perf_counter()
 
@@ -100,11 +99,15 @@ def main(argv: list[str] | None = None) -> int:
         steps=scale.teacher_steps, lr=scale.teacher_lr, seq_len=scale.seq_len,
         batch=scale.teacher_batch, seed=0, progress=False, accum=scale.teacher_accum,
     )  # fmt: skip
+
+    def record(row: dict) -> None:
+        row["seconds"] = time.perf_counter() - start
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
     teacher_bpb = train_one(to_dict(teacher))
-    row = {"run": "teacher", "bpb": teacher_bpb, "seconds": time.perf_counter() - start}
-    print(json.dumps(row), file=sys.stderr, flush=True)
-    with open(log, "a", encoding="utf-8") as f:
-        f.write(json.dumps(row) + "\n")
+    record({"run": "teacher", "bpb": teacher_bpb})
 
     device_dtype = "bfloat16" if scale.device.startswith("cuda") else "float32"
 
@@ -141,17 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int, str], dict[int, float]] = {}
     for (size, n, kind, seed), bpb in train_many(runs, args.jobs):
         results.setdefault((size, n, kind), {})[seed] = bpb
-        row = {
-            "size": size,
-            "student_bytes": n,
-            "cell": kind,
-            "seed": seed,
-            "bpb": bpb,
-            "seconds": time.perf_counter() - start,
-        }
-        print(json.dumps(row), file=sys.stderr, flush=True)
-        with open(log, "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        record({"size": size, "student_bytes": n, "cell": kind, "seed": seed, "bpb": bpb})
 
     cells = {}
     for (size, n, kind), by_seed in sorted(results.items()):

@@ -312,34 +312,48 @@ def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, lis
         digest.update(b"\0")
     folder = out / "data" / digest.hexdigest()[:12]
     folder.mkdir(parents=True, exist_ok=True)
-    for name, texts in (("train.jsonl", train), ("val.jsonl", val)):
-        path = folder / name
-        if not path.is_file():
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                for text in texts:
-                    f.write(json.dumps({"text": text}) + "\n")
-            tmp.replace(path)
+    _write_jsonl(folder / "train.jsonl", train)
+    _write_jsonl(folder / "val.jsonl", val)
     if scale.student_train_bytes is not None:
-        path = student_train_file(folder, scale)
-        if not path.is_file():
-            tmp = path.with_suffix(".tmp")
-            size = 0
-            with open(tmp, "w", encoding="utf-8") as f:
-                for text in train:
-                    if size >= scale.student_train_bytes:
-                        break
-                    f.write(json.dumps({"text": text}) + "\n")
-                    size += len(text.encode())
-            tmp.replace(path)
+        write_student_share(folder, train, scale.student_train_bytes)
     return folder, train
+
+
+def write_student_share(data: Path, train: list[str], num_bytes: int) -> Path:
+    """The first pieces of `train` up to `num_bytes` (whole pieces), written beside the training
+    text in the corpus folder `data`; returns the file (`student_train_file`)."""
+    prefix, size = [], 0
+    for text in train:
+        if size >= num_bytes:
+            break
+        prefix.append(text)
+        size += len(text.encode())
+    path = _share_path(data, num_bytes)
+    _write_jsonl(path, prefix)
+    return path
 
 
 def student_train_file(data: Path, scale: Scale) -> Path:
     """The students' training JSONL in the corpus folder `data`."""
     if scale.student_train_bytes is None:
         return data / "train.jsonl"
-    return data / f"train-first-{scale.student_train_bytes}.jsonl"
+    return _share_path(data, scale.student_train_bytes)
+
+
+def _share_path(data: Path, num_bytes: int) -> Path:
+    return data / f"train-first-{num_bytes}.jsonl"
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> None:
+    """`texts` as JSONL rows `{"text": ...}`, written beside and renamed; kept when present (the
+    folder is named by its content)."""
+    if path.is_file():
+        return
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    tmp.replace(path)
 
 
 def bytes_per_token(tokenizer: str, texts: list[str], sample_bytes: int = 2_000_000) -> float:
