@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from crossdistill.alignment import align  # noqa: E402
 from crossdistill.alignment.projection import build_projection  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
-from crossdistill.bench.quality import corpus_pieces  # noqa: E402
+from crossdistill.bench.quality import corpus_pieces, first_bytes  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 
 KINDS = ("right", "student_longer", "student_shorter", "other")
@@ -48,13 +48,7 @@ def texts_of(corpora: list[str], limit: int) -> list[str]:
         from crossdistill.train.demo_assets import stdlib_corpus
 
         pieces, _ = stdlib_corpus(max_files=100_000, seed=0, train_bytes=limit, val_bytes=1)
-    out, size = [], 0
-    for text in pieces:
-        if size >= limit:
-            break
-        out.append(text)
-        size += len(text.encode())
-    return out
+    return first_bytes(pieces, limit)
 
 
 def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:

@@ -322,15 +322,20 @@ def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, lis
 def write_student_share(data: Path, train: list[str], num_bytes: int) -> Path:
     """The first pieces of `train` up to `num_bytes` (whole pieces), written beside the training
     text in the corpus folder `data`; returns the file (`student_train_file`)."""
-    prefix, size = [], 0
-    for text in train:
+    path = _share_path(data, num_bytes)
+    _write_jsonl(path, first_bytes(train, num_bytes))
+    return path
+
+
+def first_bytes(texts: list[str], num_bytes: int) -> list[str]:
+    """The first whole texts of `texts` until at least `num_bytes` UTF-8 bytes are taken."""
+    out, size = [], 0
+    for text in texts:
         if size >= num_bytes:
             break
-        prefix.append(text)
+        out.append(text)
         size += len(text.encode())
-    path = _share_path(data, num_bytes)
-    _write_jsonl(path, prefix)
-    return path
+    return out
 
 
 def student_train_file(data: Path, scale: Scale) -> Path:
@@ -361,12 +366,8 @@ def bytes_per_token(tokenizer: str, texts: list[str], sample_bytes: int = 2_000_
     from crossdistill.models.tokenizers import load_text_tokenizer
 
     backend = load_text_tokenizer(tokenizer).backend_tokenizer
-    sample, size = [], 0
-    for text in texts:
-        if size >= sample_bytes:
-            break
-        sample.append(text)
-        size += len(text.encode())
+    sample = first_bytes(texts, sample_bytes)
+    size = sum(len(text.encode()) for text in sample)
     tokens = sum(len(e.ids) for e in backend.encode_batch(sample, add_special_tokens=False))
     return size / max(tokens, 1)
 
