@@ -98,6 +98,8 @@ class TeacherConfig(ModelConfig):
     # "context" gives the part that continues to the student's observed token to that token
     target: Target = "first_piece"
     offload: bool = False  # keep on CPU between steps (small GPUs)
+    # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
+    cache: str | None = None
 
 
 @dataclass

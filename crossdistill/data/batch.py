@@ -17,7 +17,12 @@ import numpy as np
 import torch
 
 IGNORE = -100
-_TORCH_DTYPES = {np.int64: torch.int64, np.int32: torch.int32, np.bool_: torch.bool}
+_TORCH_DTYPES = {
+    np.int64: torch.int64,
+    np.int32: torch.int32,
+    np.bool_: torch.bool,
+    np.float32: torch.float32,
+}
 
 
 @dataclass
@@ -95,11 +100,29 @@ class TeacherBatch:
 
 
 @dataclass
+class CachedTargets:
+    """A cached teacher's targets for one micro-batch, read from its cache by the loader: the
+    fields of `losses.TeacherTargets`, in the same coordinates as a live teacher's (top-k rows
+    at each chunk's KD position `t0 - 1` of its `TeacherBatch`, next-token log-probs over the
+    padded `[B·T_t]`)."""
+
+    topk_ids: torch.Tensor  # [M, K] int32
+    topk_logprobs: torch.Tensor  # [M, K] float32 at `temperature`
+    tail_logprob: torch.Tensor  # [M] float32
+    next_logprobs: torch.Tensor  # [N_t] float32 at τ = 1, 0 where invalid
+    next_valid: torch.Tensor  # [N_t] bool
+    temperature: float = 1.0
+
+
+@dataclass
 class Batch:
-    """One micro-batch: the student and one entry per configured teacher, in config order."""
+    """One micro-batch: the student and one entry per configured teacher, in config order;
+    `cached[i]`: teacher i's targets when it reads from a cache (else None; empty when no
+    teacher does)."""
 
     student: StudentBatch
     teachers: list[TeacherBatch]
+    cached: list[CachedTargets | None] = dataclasses.field(default_factory=list)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         """All tensors on `device`, in one copy per underlying buffer (see `pack_tensors`)."""

@@ -16,6 +16,7 @@ from crossdistill.data.loader import DistillLoader, HeldOut, PackedStream, defau
 from crossdistill.data.schedule import Plan
 from crossdistill.data.sources import open_source
 from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream
+from crossdistill.data.teacher_cache import CachedTeacher
 from crossdistill.errors import UserError
 
 
@@ -28,6 +29,7 @@ def build_loader(
     world_size: int = 1,
     chat_templates: list[str | None] | None = None,
     pin_memory: bool | None = None,
+    caches: list[CachedTeacher | None] | None = None,
 ) -> DistillLoader | HeldOut:
     """A loader of `Batch`es for `split`, this data-parallel rank's share of it: the endless,
     resumable training stream, or the validation split as `HeldOut` (the same batches every
@@ -35,7 +37,8 @@ def build_loader(
 
     tok_s / toks_t: the student's and each teacher's (fast HF) tokenizer, teachers in config
     order. chat_templates: optional templates for `[student, *teachers]` (None: the
-    tokenizer's own). Raises `UserError` for bad settings, missing files or columns, and a
+    tokenizer's own). caches: per teacher, the cache it reads its targets from (None: it runs
+    live; `Batch.cached`). Raises `UserError` for bad settings, missing files or columns, and a
     validation split too small to fill one micro-batch on this rank.
     """
     _check_settings(data_cfg, split, rank, world_size)
@@ -74,6 +77,7 @@ def build_loader(
         pad_multiple=data_cfg.pad_multiple,
         bad_input=data_cfg.bad_input,
         slots=tuple(slots),
+        caches=tuple(caches) if caches and any(c is not None for c in caches) else (),
     )
     if not train:
         stream = PackedStream(plan, sides, spec, 0, 0, repeat=False)

@@ -20,6 +20,7 @@ import numpy as np
 from crossdistill.data.batch import (
     IGNORE,
     Batch,
+    CachedTargets,
     StudentBatch,
     TeacherBatch,
     identity_chunks,
@@ -29,7 +30,9 @@ from crossdistill.data.batch import (
     shifted_labels,
 )
 from crossdistill.data.encoders import TokenizerSide
+from crossdistill.data.teacher_cache import CachedTeacher, concat_docs, truncate_top_k
 from crossdistill.data.units import Unit
+from crossdistill.errors import UserError
 
 
 @dataclass
@@ -93,10 +96,12 @@ def collate(
     pad_multiple: int,
     sides: list[TokenizerSide],
     slots: list[int],
+    caches: tuple[CachedTeacher | None, ...] = (),
 ) -> Batch:
     """Rows (at most `batch_size`; missing rows are all padding) -> `Batch`. `sides`: the
     student's then each cross teacher's `TokenizerSide` (pad and start ids); `slots[i]` is the
-    index of teacher `i` among the cross teachers, -1 for the student's own tokenizer."""
+    index of teacher `i` among the cross teachers, -1 for the student's own tokenizer;
+    `caches[i]`: where teacher `i` reads its targets from a cache (`Batch.cached`)."""
     head_s = sides[0].start_ids
     ids, target, doc, pos, text_bytes = _fill(
         [[(s.unit.ids_s, s.unit.target_s, s.unit.text_bytes_s, s.unit.cuts_s, s) for s in r]
@@ -125,6 +130,11 @@ def collate(
     arrays_all = student + [segs[-1][0]]
     arrays_all += [a for arrays in teachers.values() for a in arrays] + [segs[k][0] for k in cross]
     arrays_all += [a for k in cross for a in real[k][:2]]
+    cached = [
+        None if c is None else _cached(rows, c, slots[i], teachers, labels, sides, len(head_s))
+        for i, c in enumerate(caches)
+    ]
+    arrays_all += [a for c in cached if c is not None for a in c]
     tensors = iter(pack_tensors(arrays_all))
     s_t = [next(tensors) for _ in student]
     cu_s = next(tensors)
@@ -153,7 +163,85 @@ def collate(
     for k in cross:
         built[k].real_index, built[k].real_cu_seqlens = next(tensors), next(tensors)
         built[k].real_max_seqlen = real[k][2]
-    return Batch(student=student_batch, teachers=[built[k] for k in slots])
+    targets = [
+        None if c is None else CachedTargets(*(next(tensors) for _ in c), caches[i].temperature)
+        for i, c in enumerate(cached)
+    ]
+    return Batch(student=student_batch, teachers=[built[k] for k in slots], cached=targets)
+
+
+def _cached(
+    rows: list[list[Segment]],
+    cache: CachedTeacher,
+    slot: int,
+    teachers: dict[int, list[np.ndarray]],
+    labels_s: np.ndarray,
+    sides: list[TokenizerSide],
+    head_s: int,
+) -> list[np.ndarray]:
+    """A cached teacher's targets for the batch, as `CachedTargets` arrays: each position's
+    next-token log-prob and each chunk's top-k at its KD position, read from the rows of the
+    documents' cached targets that predict the same token."""
+    if slot < 0:
+        labels, (chunks, _), head = labels_s, teachers[-1], head_s
+    else:
+        labels, chunks = teachers[slot][1], teachers[slot][5]
+        head = sides[1 + slot].start_ids.size
+    src_doc = np.full(labels.shape, -1, dtype=np.int64)
+    src_pos = np.full(labels.shape, -1, dtype=np.int64)
+    keys: dict[str, int] = {}
+    for r, row in enumerate(rows):
+        off = 0
+        for seg in row:
+            unit = seg.unit
+            cuts = unit.cuts_s if slot < 0 else unit.teachers[slot].cuts
+            lo, hi = int(cuts[seg.a]), int(cuts[seg.b])
+            d = keys.setdefault(unit.key, len(keys))
+            first = unit.offsets[slot + 1] + lo  # the segment's first token in its document
+            if seg.head and head:  # the last start token predicts the segment's first token
+                src_doc[r, off + head - 1], src_pos[r, off + head - 1] = d, first - 1
+                off += head
+            src_doc[r, off : off + hi - lo] = d
+            src_pos[r, off : off + hi - lo] = np.arange(first, first + hi - lo)
+            off += hi - lo
+    docs, starts = concat_docs([cache.reader.get(key) for key in keys])
+    base = starts[src_doc.clip(min=0)] if starts.size else np.zeros_like(src_doc)
+    src = np.where(src_doc >= 0, base + src_pos, -1).reshape(-1)
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels >= 0
+    rows_valid = src[valid]
+    following = docs.ids[np.clip(rows_valid + 1, 0, max(docs.num_tokens - 1, 0))]
+    if (rows_valid < 0).any() or not np.array_equal(following, flat_labels[valid]):
+        raise UserError(
+            f"teacher {cache.name}'s cache {cache.reader.folder} holds another tokenization of "
+            "these documents (its tokenizer or data settings differ from this run's); rebuild it "
+            "with this run's data section"
+        )
+    next_lp = np.zeros(flat_labels.shape, dtype=np.float32)
+    next_lp[valid] = docs.next_logprobs[rows_valid]
+    s0, s1, t0, t1 = (chunks[:, i] for i in range(4)) if chunks.size else [np.zeros(0, int)] * 4
+    ok = (s0 > 0) & (t0 > 0) & (s1 > s0) & (t1 > t0)
+    kd = np.where(ok, src[np.where(ok, t0 - 1, 0)], -1)
+    k = cache.top_k
+    if docs.topk_ids is None:
+        top_ids = np.zeros((0, k), np.int32)
+        top_lp = np.zeros((0, k), np.float32)
+        tail = np.zeros(0, np.float32)
+    else:
+        pick = kd.clip(min=0)
+        top_ids, top_lp, tail = truncate_top_k(
+            docs.topk_ids[pick], docs.topk_logprobs[pick], docs.tail_logprob[pick], k
+        )
+    if (kd < 0).any():  # rows the loss masks out: any valid distribution (as a live teacher's)
+        even = np.float32(-np.log(k + 1))
+        top_ids[kd < 0], top_lp[kd < 0], tail[kd < 0] = np.arange(k, dtype=np.int32), even, even
+    return [
+        np.ascontiguousarray(top_ids, dtype=np.int32),
+        np.ascontiguousarray(top_lp, dtype=np.float32),
+        np.ascontiguousarray(tail, dtype=np.float32),
+        next_lp,
+        valid,
+    ]
 
 
 def _target_bytes(text_bytes: np.ndarray, labels: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ from crossdistill.data.encoders import TokenizerSide
 from crossdistill.data.packing import RowPacker, collate
 from crossdistill.data.schedule import Cursor, EmptyStream, Plan
 from crossdistill.data.sources import Bad
+from crossdistill.data.teacher_cache import CachedTeacher, document_key
 from crossdistill.data.units import Unit, chat_unit, text_unit
 
 
@@ -57,6 +58,8 @@ class StreamSpec:
     bad_input: Literal["skip", "error"]
     slots: tuple[int, ...]  # per configured teacher: index among cross tokenizers, -1 = student's
     piece_chars: int = PIECE_CHARS
+    # per configured teacher: where it reads its targets from a cache (None: it runs live)
+    caches: tuple[CachedTeacher | None, ...] = ()
 
 
 def batch_stream(
@@ -73,7 +76,7 @@ def batch_stream(
     policy.num_skipped = start.skipped
     packer = RowPacker(spec.seq_len, _head_size(sides))
     rows: list = []
-    args = (spec.batch_size, spec.seq_len, spec.pad_multiple, sides, list(spec.slots))
+    args = (spec.batch_size, spec.seq_len, spec.pad_multiple, sides, list(spec.slots), spec.caches)
     dropped: tuple[int, int, int] | None = None  # the row whose remaining pieces are dropped
     for cursor, unit, where in _units(plan, consumer, sides, spec, start, repeat, policy, packer):
         row_key = (cursor.epoch, cursor.block, cursor.row)
@@ -107,7 +110,9 @@ def batch_stream(
 
 def empty_batch(sides: list[TokenizerSide], spec: StreamSpec) -> Batch:
     """A batch of padding rows only: it adds nothing to any sum (see `HeldOut`)."""
-    return collate([], spec.batch_size, spec.seq_len, spec.pad_multiple, sides, list(spec.slots))
+    return collate(
+        [], spec.batch_size, spec.seq_len, spec.pad_multiple, sides, list(spec.slots), spec.caches
+    )
 
 
 def _head_size(sides: list[TokenizerSide]) -> int:
@@ -137,9 +142,17 @@ def _units(
             policy(where, doc.reason)
             packer.break_document()
             continue
+        key = _cache_key(doc, spec.caches)
+        if isinstance(key, Bad):
+            policy(where, key.reason)
+            packer.break_document()
+            continue
         pieces = text_pieces(doc, spec.piece_chars) if isinstance(doc, str) else [doc]
         p0 = start.cursor.piece if where_row == row_start else 0
-        for pi in range(p0, len(pieces)):
+        offsets = [0] * len(sides)  # tokens of the document's earlier pieces, per side
+        for pi in range(len(pieces)):
+            if pi < p0 and not key:
+                continue
             if isinstance(doc, str):
                 unit = text_unit(pieces[pi], sides, first=pi == 0, last=pi == len(pieces) - 1)
             else:
@@ -148,8 +161,31 @@ def _units(
                 policy(where, unit.reason)
                 packer.break_document()
                 break
+            if key:
+                unit.key, unit.offsets = key, tuple(offsets)
+                sizes = [unit.ids_s.size] + [t.ids.size for t in unit.teachers]
+                offsets = [o + n for o, n in zip(offsets, sizes)]
+            if pi < p0:  # packed before the resume point; counted for its offsets only
+                continue
             units_in_epoch[where_row.epoch] = units_in_epoch.get(where_row.epoch, 0) + 1
             yield Cursor(where_row.epoch, where_row.block, where_row.row, pi), unit, where
+
+
+def _cache_key(doc, caches: tuple[CachedTeacher | None, ...]) -> str | Bad:
+    """The document's cache key when a teacher reads from a cache ("" when none does); `Bad`
+    when a cache lacks the document."""
+    readers = [c for c in caches if c is not None]
+    if not readers:
+        return ""
+    key = document_key(doc)
+    for c in readers:
+        if key not in c.reader:
+            return Bad(
+                f"not in teacher {c.name}'s cache {c.reader.folder} (built over other data); "
+                "rebuild the cache over this corpus, or set data.bad_input=skip to leave out the "
+                "documents it lacks"
+            )
+    return key
 
 
 def _check_progress(units: dict[int, int], epoch: int, start_epoch: int, consumer: int) -> None:

@@ -46,7 +46,11 @@ class Unit:
     cuts_s: [K] int64 common cut points, ascending, from 0 to n_s; teachers: one per distinct
     cross-tokenizer; first/last: this piece starts/ends its document; text_bytes_s: [n_s]
     int64 bytes of the text each token covers (0 for template tokens; content tokens sum to
-    the UTF-8 bytes of the contents on every side, see `alignment.text_bytes`)."""
+    the UTF-8 bytes of the contents on every side, see `alignment.text_bytes`).
+
+    key / offsets (set by the stream when a teacher reads from a cache): the document's cache
+    key (`teacher_cache.document_key`) and, per side (student first), the tokens of the
+    document's earlier pieces: where this piece starts in the document's tokens."""
 
     ids_s: np.ndarray
     target_s: np.ndarray
@@ -57,6 +61,8 @@ class Unit:
     last: bool
     chat: bool
     text_bytes_s: np.ndarray
+    key: str = ""
+    offsets: tuple[int, ...] = ()
 
 
 @dataclass

@@ -53,9 +53,10 @@ _MESHES: dict[tuple[int, ...], Any] = {}
 
 @dataclass
 class TeacherSlot:
-    """A teacher with everything the step needs about it."""
+    """A teacher with everything the step needs about it; `teacher` is None for one whose
+    targets the loader reads from a cache (`Batch.cached`)."""
 
-    teacher: Teacher
+    teacher: Teacher | None
     cfg: TeacherConfig
     projection: VocabProjection
 
@@ -123,11 +124,25 @@ class Placement:
 
     @torch.no_grad()
     def teacher_targets(
-        self, slot: TeacherSlot, k: int, tb: Any, chunk_size: int, fused: bool | None = None
+        self,
+        slot: TeacherSlot,
+        k: int,
+        tb: Any,
+        chunk_size: int,
+        fused: bool | None = None,
+        cached: Any = None,
     ) -> TeacherTargets:
         """Teacher `k`'s targets (top-k at the KD positions, next-token log-probs everywhere)
         for this rank's micro-batch `tb`, in `tb`'s padded coordinates. `fused`: as for
-        `losses.teacher_targets`."""
+        `losses.teacher_targets`; `cached`: the targets the loader read from the teacher's
+        cache (`data.batch.CachedTargets`), used as they are."""
+        if slot.teacher is None:
+            if cached is None:
+                raise ValueError(f"teacher {slot.cfg.name} reads a cache but the batch has none")
+            return TeacherTargets(
+                **{f: getattr(cached, f).to(self.device, non_blocking=True) for f in _FIELDS},
+                temperature=cached.temperature,
+            )
         group, owners = self.sources[k]
         ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)
         labels = _to(tb.labels, self.device).flatten()
@@ -261,6 +276,15 @@ class Placement:
         if self.student.layout.dp * self.student.layout.cp > 1:
             dist.all_reduce(x, group=self.student.group("loss"))
         return x
+
+
+_FIELDS = ("topk_ids", "topk_logprobs", "tail_logprob", "next_logprobs", "next_valid")
+
+
+def cached_of(batch: Any, k: int) -> Any:
+    """Teacher `k`'s cached targets in `batch` (None when it runs live)."""
+    cached = getattr(batch, "cached", None)
+    return cached[k] if cached else None
 
 
 def shard_kwargs(rows: Any, vocab: Any) -> dict[str, Any]:

@@ -67,8 +67,8 @@ def parallel_models(
     placement: Placement,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
-) -> tuple[nn.Module, list[nn.Module], dict[str, torch.Tensor]]:
-    """The student and every teacher, each in its layout; plus the student's fused-row orders
+) -> tuple[nn.Module, list[nn.Module | None], dict[str, torch.Tensor]]:
+    """The student and every teacher (None for one read from a cache), each in its layout; plus the student's fused-row orders
     (needed to export and checkpoint it under tensor parallelism). `reshard_after_forward`
     and `param_dtype` are for the student's FSDP (see `parallelize_model`); on CUDA the step
     computes under bf16 autocast, so by default FSDP gathers the student's parameters in bf16
@@ -92,7 +92,9 @@ def parallel_models(
         param_dtype=param_dtype,
     )
     teachers = [
-        build_parallel_model(
+        None  # read from its cache: no model
+        if t.cache is not None
+        else build_parallel_model(
             t,
             placed.layout,
             placed.mesh,

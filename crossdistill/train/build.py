@@ -16,6 +16,7 @@ from crossdistill.distributed.runtime import Placement, TeacherSlot
 from crossdistill.losses import VocabProjection
 from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
 from crossdistill.train.optim import build_optimizer, build_scheduler
+from crossdistill.train.teacher_cache import check_coverage, open_cache
 from crossdistill.train.validate import check_vocab, validate_config
 
 
@@ -104,12 +105,17 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
         for t, tok, r in zip(cfg.teachers, toks_t, resolved_t)
     ]
     placement = build_placement(env, layouts, cfg.train.teacher_padding)
+    caches = [
+        None if t.cache is None else open_cache(t, i, cfg, tok)
+        for i, (t, tok) in enumerate(zip(cfg.teachers, toks_t))
+    ]
+    check_coverage(cfg, caches)
     train_loader, val_loader = _loaders(
-        cfg, tok_s, toks_t, placement.data_rank, placement.data_size
+        cfg, tok_s, toks_t, placement.data_rank, placement.data_size, caches
     )
     student, models_t, fused = parallel_models(cfg, placement)
     slots = [
-        TeacherSlot(Teacher(model, t.name, offload=t.offload), t, proj)
+        TeacherSlot(None if model is None else Teacher(model, t.name, offload=t.offload), t, proj)
         for t, model, proj in zip(cfg.teachers, models_t, projections)
     ]
     optimizer = build_optimizer(student, cfg.optim)
@@ -131,14 +137,14 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
     )
 
 
-def _loaders(cfg: Config, tok_s, toks_t, rank: int, world_size: int) -> tuple[Any, Any]:
-    """Train and validation loaders of this data-parallel rank."""
+def _loaders(
+    cfg: Config, tok_s, toks_t, rank: int, world_size: int, caches: list | None = None
+) -> tuple[Any, Any]:
+    """Train and validation loaders of this data-parallel rank (`caches`: per teacher, where
+    it reads its targets from a cache)."""
     from crossdistill.data import build_loader
 
-    train_loader = build_loader(
-        cfg.data, tok_s, toks_t, split="train", rank=rank, world_size=world_size
-    )
-    val_loader = build_loader(
-        cfg.data, tok_s, toks_t, split="validation", rank=rank, world_size=world_size
-    )
+    kwargs = {"rank": rank, "world_size": world_size, "caches": caches}
+    train_loader = build_loader(cfg.data, tok_s, toks_t, split="train", **kwargs)
+    val_loader = build_loader(cfg.data, tok_s, toks_t, split="validation", **kwargs)
     return train_loader, val_loader

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from crossdistill.config import Config
-from crossdistill.distributed.runtime import make_term, shard_kwargs, target_bytes
+from crossdistill.distributed.runtime import cached_of, make_term, shard_kwargs, target_bytes
 from crossdistill.losses import kd_count, next_token_nll, student_loss
 from crossdistill.train.step import StepSettings
 
@@ -39,7 +39,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
         sums[key] = sums.get(key, 0) + value.double()
 
     for s in c.slots:
-        if s.teacher.offload:
+        if s.teacher is not None and s.teacher.offload:
             s.teacher.to(dev)
     # this rank's share of the first eval_batches batches of the split, the same count on every
     # rank (a rank that ran out early would hang the others in a collective)
@@ -48,7 +48,9 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
         terms = []
         for k, slot in enumerate(c.slots):
             tb = batch.teachers[k]
-            targets = place.teacher_targets(slot, k, tb, cfg.train.loss_chunk_size, fused)
+            targets = place.teacher_targets(
+                slot, k, tb, cfg.train.loss_chunk_size, fused, cached_of(batch, k)
+            )
             term = make_term(slot, tb, targets, dev)
             term.denominator = torch.ones((), device=dev)
             terms.append(term)
@@ -77,7 +79,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
             add(parts, f"kd/{slot.cfg.name}", metrics[f"kd/{slot.cfg.name}"])
             add(parts, f"top1/{slot.cfg.name}", metrics[f"top1/{slot.cfg.name}"])
     for s in c.slots:
-        if s.teacher.offload:
+        if s.teacher is not None and s.teacher.offload:
             s.teacher.to("cpu")
     c.student.train(was_training)
     sums = {**_reduced(whole, place.reduce_counts), **_reduced(parts, place.reduce_sums)}

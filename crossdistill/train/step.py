@@ -24,6 +24,7 @@ from crossdistill.config import TrainConfig
 from crossdistill.distributed.runtime import (
     Placement,
     TeacherSlot,
+    cached_of,
     make_term,
     shard_kwargs,
     target_bytes,
@@ -88,12 +89,12 @@ def train_step(
     are laid out over the job's ranks (one process: the one-rank layout)."""
     dev = settings.device
     for s in slots:
-        if s.teacher.offload:
+        if s.teacher is not None and s.teacher.offload:
             s.teacher.to(dev)
     targets = [
         [
             place.teacher_targets(
-                s, k, mb.teachers[k], settings.loss_chunk_size, fused=settings.fused
+                s, k, mb.teachers[k], settings.loss_chunk_size, settings.fused, cached_of(mb, k)
             )
             for k, s in enumerate(slots)
         ]
@@ -131,7 +132,7 @@ def train_step(
     ]
     weights = teacher_weights(slots, npb, settings.teacher_mode)
     for s in slots:
-        if s.teacher.offload:
+        if s.teacher is not None and s.teacher.offload:
             s.teacher.to("cpu")
 
     total: dict[str, Tensor] = {}

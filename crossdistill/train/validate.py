@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from crossdistill.config import DISTRIBUTION_LOSSES, Config, ModelConfig
+from crossdistill.config import DISTRIBUTION_LOSSES, Config, ModelConfig, TeacherConfig
 from crossdistill.errors import UserError
 
 # Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
@@ -46,11 +46,28 @@ def resolve_model(model: ModelConfig, label: str) -> ResolvedModel:
     return ResolvedModel(hf_config, tokenizer_spec(model, label), label)
 
 
+def resolve_teacher(t: TeacherConfig, label: str) -> ResolvedModel:
+    """A teacher's model, or for one that reads a cache (`cache`), the config and tokenizer the
+    cache folder holds (its `path`, if also given, is only checked against the cache)."""
+    if t.cache is None:
+        return resolve_model(t, label)
+    from crossdistill.data.teacher_cache import read_manifest
+    from crossdistill.models.loading import resolve_hf_config
+
+    if t.arch is not None:
+        raise UserError(f"{label}: a teacher read from a cache has no arch; drop {label}.arch")
+    if t.offload:
+        raise UserError(f"{label}: offload moves a model, a cached teacher has none; drop it")
+    read_manifest(t.cache)
+    hf_config = resolve_hf_config(t.cache, None, t.overrides)
+    return ResolvedModel(hf_config, t.tokenizer or t.cache, label)
+
+
 def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
     """Check scalars, models, tokenizers and sequence lengths; return what was resolved."""
     _check_scalars(cfg)
     student = resolve_model(cfg.student, "student")
-    teachers = [resolve_model(t, f"teachers.{i}") for i, t in enumerate(cfg.teachers)]
+    teachers = [resolve_teacher(t, f"teachers.{i}") for i, t in enumerate(cfg.teachers)]
     _check_length(student, cfg.data.seq_len, 1)
     for t in teachers:
         _check_length(t, cfg.data.seq_len, TEACHER_LENGTH_FACTOR)
