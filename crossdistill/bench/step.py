@@ -101,6 +101,12 @@ def add_parser(subparsers) -> None:
         help="cross teachers' bodies over their non-pad tokens alone (drop), over the padded "
         "rows (keep), or drop where flash attention covers every layer (auto)",
     )
+    p.add_argument(
+        "--teacher-cache",
+        action="store_true",
+        help="also build each teacher's cache over the corpus and time the step reading it "
+        "(beside the live step, and the student alone for memory)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--tiny", action="store_true", help="override shapes to a few layers (CPU smoke)"
@@ -159,7 +165,17 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give one --teacher-tokenizer per --teacher")
     if args.grad_accum < 1:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    result = measure(args)
+    if args.teacher_cache:
+        if not args.teacher:
+            raise UserError("--teacher-cache needs at least one --teacher")
+        from crossdistill.bench.step_cache import CacheBench
+
+        cache = CacheBench(args)
+        result = measure(args, extras=cache.extras)
+        result.update(cache.cached_runs())
+        result["speedup_vs_live"] = result["cached_tokens_per_s"] / result["tokens_per_s"]
+    else:
+        result = measure(args)
     if args.json:
         print(json.dumps(result))
     else:
@@ -279,6 +295,13 @@ def print_table(result: dict) -> None:
         "naive_mfu",
         "naive_peak_gib",
         "speedup_vs_naive",
+        "cached_tokens_per_s",
+        "speedup_vs_live",
+        "cached_peak_gib",
+        "student_only_peak_gib",
+        "cached_loader_fraction",
+        "cache_bytes_per_token",
+        "cache_build_fraction_of_forward",
     ]
     for k in keys:
         if k in result and result[k] is not None:

@@ -73,9 +73,10 @@ def write_corpus(workdir: Path, args) -> Path:
     return path
 
 
-def bench_config(args, corpus: Path) -> Config:
+def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
     """The `crossdistill train` config of the benchmark's run: random-init models of the
-    presets' shapes (`--tiny`: a few narrow layers), this machine's Python sources."""
+    presets' shapes (`--tiny`: a few narrow layers), this machine's Python sources; with
+    `caches`, each teacher read from its cache folder instead."""
     cuda = torch.device(args.device).type == "cuda"
     overrides = dict(TINY) if args.tiny else {}
     model = {"overrides": overrides, "attn_implementation": args.attention, "compile": args.compile}
@@ -91,7 +92,8 @@ def bench_config(args, corpus: Path) -> Config:
     teachers = [
         TeacherConfig(
             name=f"{i}-{arch}",
-            arch=arch,
+            arch=None if caches else arch,
+            cache=caches[i] if caches else None,
             tokenizer=tok,
             dtype="bfloat16" if cuda else "float32",
             loss=args.loss,
@@ -120,9 +122,9 @@ def bench_config(args, corpus: Path) -> Config:
     return Config(student=student, teachers=teachers, data=data, optim=OptimConfig(), train=train)
 
 
-def build_bench(args) -> Bench:
+def build_bench(args, caches: list[str] | None = None) -> Bench:
     workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
-    cfg = bench_config(args, write_corpus(Path(workdir.name), args))
+    cfg = bench_config(args, write_corpus(Path(workdir.name), args), caches)
     c = build_components(cfg)
     settings = StepSettings.of(cfg.train, c.device)
     bench = Bench(cfg, c, iter(c.train_loader), settings, [], workdir, c.device)

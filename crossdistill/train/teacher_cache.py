@@ -206,15 +206,34 @@ def _build_one(
     t = cfg.teachers[i]
     if t.path is None:
         raise UserError(f"teachers.{i}: a cache is built from a checkpoint; set teachers.{i}.path")
+    model = build_causal_lm(
+        path=t.path,
+        device=env.device,
+        dtype=parse_dtype(t.dtype),
+        overrides=t.overrides,
+        attn_implementation=t.attn_implementation,
+    )
+    teacher = Teacher(model, t.name)
+    return build_teacher_cache(teacher, t, weights_fingerprint(t.path), cfg, folder, options, env)
+
+
+def build_teacher_cache(
+    teacher: Teacher,
+    t: TeacherConfig,
+    fingerprint: str,
+    cfg: Config,
+    folder: Path,
+    options: BuildOptions,
+    env: DistEnv,
+) -> dict[str, Any]:
+    """Run a loaded teacher over `cfg`'s data section into `folder` (see module doc); returns
+    the manifest, with this process's build time and tokens under `build_seconds` and
+    `build_tokens` (not stored)."""
     tok = load_tokenizer(t.tokenizer or t.path)
     side = TokenizerSide(tok)
     settings = {
         "format": FORMAT,
-        "teacher": {
-            "name": t.name,
-            "path": str(t.path),
-            "fingerprint": weights_fingerprint(t.path),
-        },
+        "teacher": {"name": t.name, "path": str(t.path or t.arch), "fingerprint": fingerprint},
         "tokenizer": {"fingerprint": side.fingerprint, "name": side.name},
         "top_k": int(t.top_k),
         "temperature": float(t.temperature),
@@ -224,17 +243,9 @@ def _build_one(
         "data": _data_settings(cfg),
     }
     done = _prepare(folder, settings, env, tok)
-    model = build_causal_lm(
-        path=t.path,
-        device=env.device,
-        dtype=parse_dtype(t.dtype),
-        overrides=t.overrides,
-        attn_implementation=t.attn_implementation,
-    )
-    teacher = Teacher(model, t.name)
     top_k = min(int(t.top_k), teacher.lm_head_weight.shape[0])
     if top_k != t.top_k:
-        raise UserError(f"teachers.{i}.top_k = {t.top_k} exceeds the teacher's vocabulary")
+        raise UserError(f"teachers of {t.name}: top_k = {t.top_k} exceeds the vocabulary")
     writer = _Writer(folder, env.rank, options, settings)
     policy = BadInputPolicy(cfg.data.bad_input)
     mine = (
@@ -273,12 +284,15 @@ def _build_one(
         raise
     finally:
         bar.close()
+    seconds = time.perf_counter() - started
     if env.distributed:
         torch.distributed.barrier()
-    manifest = _write_manifest(folder, settings, cfg, policy.num_skipped) if env.is_main else {}
+    if env.is_main:
+        teacher.model.config.save_pretrained(folder)
+        _write_manifest(folder, settings, cfg, policy.num_skipped)
     if env.distributed:
         torch.distributed.barrier()
-    return manifest or read_manifest(folder)
+    return {**read_manifest(folder), "build_seconds": seconds, "build_tokens": tokens}
 
 
 def _prepare(folder: Path, settings: dict[str, Any], env: DistEnv, tok: Any) -> set[str]:
@@ -446,10 +460,6 @@ def _write_manifest(
     shards = [
         shard_summary(p, read_footer(p)) for p in sorted((folder / SHARDS).glob(f"*{SHARD_SUFFIX}"))
     ]
-    from crossdistill.models.loading import resolve_hf_config
-
-    t = next(x for x in cfg.teachers if x.name == settings["teacher"]["name"])
-    resolve_hf_config(t.path, None, t.overrides).save_pretrained(folder)
     nll = sum(s["nll"] for s in shards)
     nbytes = sum(s["text_bytes"] for s in shards)
     manifest = {
