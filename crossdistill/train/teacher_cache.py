@@ -213,6 +213,10 @@ def _build_one(
         overrides=t.overrides,
         attn_implementation=t.attn_implementation,
     )
+    if t.compile:
+        from crossdistill.distributed.parallelize import apply_compile
+
+        apply_compile(model)
     teacher = Teacher(model, t.name)
     return build_teacher_cache(teacher, t, weights_fingerprint(t.path), cfg, folder, options, env)
 

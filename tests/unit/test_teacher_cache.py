@@ -104,19 +104,22 @@ WORDS = [
 DOC_TOKENS = 15  # GPT-2: start (its end-of-text), 12 words, ".", end of document
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory, real_tokenizer) -> Path:
+def write_corpus(folder: Path, gpt2) -> Path:
     """Documents of exactly DOC_TOKENS student tokens, so that rows of 2·DOC_TOKENS hold two
     whole documents each: no document is cut by packing, and a live teacher sees every
     document whole, as the cache's teacher does."""
     g = np.random.default_rng(0)
     texts = [" ".join(g.permutation(WORDS)[:12]) + "." for _ in range(80)]
-    tok = real_tokenizer("gpt2")
-    assert all(len(tok.encode(t)) == DOC_TOKENS - 2 for t in texts)
-    d = tmp_path_factory.mktemp("cache_corpus")
+    assert all(len(gpt2.encode(t)) == DOC_TOKENS - 2 for t in texts)
+    folder.mkdir(parents=True, exist_ok=True)
     for name, part in (("train.jsonl", texts[:64]), ("val.jsonl", texts[64:])):
-        (d / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
-    return d
+        (folder / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in part))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, real_tokenizer) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("cache_corpus"), real_tokenizer("gpt2"))
 
 
 def _checkpoint(folder: Path, tokenizer: Path, vocab: int, seed: int) -> Path:
@@ -367,3 +370,38 @@ def test_a_full_disk_is_one_clear_error_and_earlier_shards_stay(tmp_path):
     assert (tmp_path / "a.cdc").exists() and not (tmp_path / "b.cdc").exists()
     assert not list(tmp_path.glob(".b.cdc*"))
     assert read_footer(tmp_path / "a.cdc")["records"][0][0] == "k"
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "best"])
+def test_teacher_modes_read_the_cache_as_they_read_live_teachers(
+    built, corpus, checkpoints, tokenizer_dir, tmp_path, mode
+):
+    teachers = _teachers(checkpoints)
+    live = train(_cfg(corpus, tmp_path / "live", tokenizer_dir, teachers, teacher_mode=mode))
+    for t in teachers:
+        t["cache"] = str(built[t["name"]])
+    cfg = _cfg(corpus, tmp_path / "cached", tokenizer_dir, teachers, teacher_mode=mode)
+    cached = train(cfg)
+    for key in live:
+        assert cached[key] == pytest.approx(live[key], rel=2e-5, abs=1e-6), key
+
+
+def test_a_quantised_cache_trains_within_one_percent_of_the_live_teachers(
+    corpus, checkpoints, tokenizer_dir, tmp_path
+):
+    teachers = _teachers(checkpoints)
+    cfg = _cfg(corpus, tmp_path / "live", tokenizer_dir, teachers)
+    folders = {0: tmp_path / "q0", 1: tmp_path / "q1"}
+    build_cache(cfg, folders, dataclasses.replace(OPTS, quantization="int8"))
+    info = inspect_cache(folders[0])
+    assert info["quantization"] == "int8"
+    live = train(cfg)
+    for i, t in enumerate(teachers):
+        t["cache"] = str(folders[i])
+    cached = train(_cfg(corpus, tmp_path / "cached", tokenizer_dir, teachers))
+    a, b = _metrics(tmp_path / "live"), _metrics(tmp_path / "cached")
+    for ra, rb in zip(a, b):
+        if "loss" in ra:
+            assert rb["loss"] == pytest.approx(ra["loss"], rel=0.01)
+    for key in ("val/loss/kd/llama2", "val/loss/kd/gpt2", "val/bpb/student"):
+        assert cached[key] == pytest.approx(live[key], rel=0.01), key
