@@ -3,5 +3,7 @@
 `build.py` (components from a config, every model in its layout: one process is the
 one-rank layout), `step.py` (one optimizer step over a window of micro-batches), `loop.py`,
 `evaluate.py` (held-out loss and bits per byte), `checkpoint.py` (DCP checkpoints of every
-layout, the Hugging Face export), `metrics.py`, `demo.py`. Imports every part below it;
+layout, the Hugging Face export), `metrics.py`, `demo.py`, `teacher_cache.py` (`crossdistill
+cache build|inspect`, and the checks a run does before it reads a cache). Imports every part
+below it;
 only `bench` and `cli` import it."""

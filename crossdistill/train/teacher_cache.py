@@ -570,12 +570,22 @@ def check_coverage(cfg: Config, caches: list[CachedTeacher | None]) -> None:
 # ---------------------------------------------------------------- inspect
 
 
-def inspect_cache(folder: str | Path, verify: bool = True) -> dict[str, Any]:
+def inspect_cache(
+    folder: str | Path, verify: bool = True, cfg: Config | None = None
+) -> dict[str, Any]:
     """What `crossdistill cache inspect` prints: the manifest's settings and totals, bytes per
-    token, the teacher's bits per byte on the cached text, and (with `verify`) every shard's
-    checksum."""
+    token, the teacher's bits per byte on the cached text, (with `verify`) every shard's
+    checksum, and (with a training config `cfg`) the share of its documents the cache holds."""
     folder = Path(folder)
     m = read_manifest(folder)
+    coverage = {}
+    if cfg is not None:
+        index = CacheReader(folder).index
+        total = held = 0
+        for key, _, _ in iter_documents(cfg, BadInputPolicy("skip")):
+            total += 1
+            held += key in index
+        coverage = {"config_documents": total, "coverage": held / max(total, 1)}
     damaged = []
     if verify:
         from crossdistill.data.teacher_cache import _file_crc
@@ -604,6 +614,7 @@ def inspect_cache(folder: str | Path, verify: bool = True) -> dict[str, Any]:
         "damaged_shards": damaged,
         "code_version": m["code_version"],
         "created": m["created"],
+        **coverage,
     }
 
 
@@ -643,6 +654,10 @@ def add_cache_parser(subparsers) -> None:
     i.add_argument("folder")
     i.add_argument("--json", action="store_true")
     i.add_argument("--no-verify", action="store_true", help="skip the shard checksums")
+    i.add_argument(
+        "--config", help="a training config: report the share of its documents the cache holds"
+    )
+    i.add_argument("overrides", nargs="*", help="key.sub=value overrides of --config")
     i.set_defaults(func=_run_inspect)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -671,7 +686,10 @@ def _run_build(args: argparse.Namespace) -> int:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    info = inspect_cache(args.folder, verify=not args.no_verify)
+    from crossdistill.config import load_config
+
+    cfg = load_config(args.config, args.overrides) if args.config else None
+    info = inspect_cache(args.folder, verify=not args.no_verify, cfg=cfg)
     if args.json:
         print(json.dumps(info, indent=1))
     else:

@@ -202,7 +202,9 @@ def built(corpus, checkpoints, tokenizer_dir, tmp_path_factory) -> dict[str, Pat
     return {"llama2": out / "llama2", "gpt2": out / "gpt2"}
 
 
-def test_build_writes_every_document_once_with_the_live_teachers_numbers(built, corpus):
+def test_build_writes_every_document_once_with_the_live_teachers_numbers(
+    built, corpus, tokenizer_dir, tmp_path
+):
     info = inspect_cache(built["llama2"])
     texts = [(corpus / f"{f}.jsonl").read_text().splitlines() for f in ("train", "val")]
     distinct = len({json.loads(line)["text"] for lines in texts for line in lines})
