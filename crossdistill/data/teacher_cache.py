@@ -322,6 +322,39 @@ def read_manifest(folder: str | Path) -> dict[str, Any]:
     return manifest
 
 
+class RecordIndex:
+    """Where each document's record is, as sorted arrays (about 60 bytes per document, so that
+    every loader worker can hold the index of a corpus of millions of documents)."""
+
+    def __init__(self, shards: list[tuple[int, list[list]]]):
+        keys = [bytes.fromhex(r[0]) for _, records in shards for r in records]
+        rows = [[i, *r[1:]] for i, records in shards for r in records]
+        table = np.asarray(rows, dtype=np.int64).reshape(-1, 6)
+        order = np.argsort(np.asarray(keys, dtype="S16"), kind="stable")
+        self.keys = np.asarray(keys, dtype="S16")[order]
+        self.table = table[order]
+
+    def _find(self, key: str) -> int:
+        k = np.asarray([bytes.fromhex(key)], dtype="S16")[0]  # stored as the keys are
+        i = int(np.searchsorted(self.keys, k))
+        return i if i < self.keys.size and self.keys[i] == k else -1
+
+    def __contains__(self, key: str) -> bool:
+        return self._find(key) >= 0
+
+    def __getitem__(self, key: str) -> tuple[int, ...]:
+        i = self._find(key)
+        if i < 0:
+            raise KeyError(key)
+        return tuple(int(v) for v in self.table[i])
+
+    def __iter__(self):
+        return (k.ljust(16, b"\0").hex() for k in self.keys.tolist())  # numpy drops trailing NULs
+
+    def __len__(self) -> int:
+        return int(self.keys.size)
+
+
 class CacheReader:
     """Random access to a finished cache by document key. Picklable (loader workers open their
     own memory maps on first use). Every record's CRC32 is checked on read: a damaged record is
@@ -333,7 +366,7 @@ class CacheReader:
         self.top_k = int(self.manifest["top_k"])
         self.quantization: Quantization = self.manifest["quantization"]
         self.keep = keep
-        self._index: dict[str, tuple[int, int, int, int, int, int]] | None = None
+        self._index: RecordIndex | None = None
         self._maps: dict[int, mmap.mmap] = {}
         self._recent: OrderedDict[str, DocTargets] = OrderedDict()
 
@@ -344,15 +377,16 @@ class CacheReader:
         self.__init__(state["folder"], state["keep"])
 
     @property
-    def index(self) -> dict[str, tuple[int, int, int, int, int, int]]:
-        """key -> (shard number, offset, size, raw size, tokens, crc)."""
+    def index(self) -> RecordIndex:
+        """key -> (shard number, offset, size, raw size, tokens, crc), read from the shards'
+        footers on first use (in each loader worker)."""
         if self._index is None:
-            index = {}
-            for i, shard in enumerate(self.manifest["shards"]):
-                footer = read_footer(self.folder / SHARDS / shard["file"])
-                for key, off, size, raw, tokens, crc in footer["records"]:
-                    index[key] = (i, off, size, raw, tokens, crc)
-            self._index = index
+            self._index = RecordIndex(
+                [
+                    (i, read_footer(self.folder / SHARDS / shard["file"])["records"])
+                    for i, shard in enumerate(self.manifest["shards"])
+                ]
+            )
         return self._index
 
     def __contains__(self, key: str) -> bool:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from crossdistill.config import Config, from_dict
+from crossdistill.config import Config
 from crossdistill.data.teacher_cache import (
     SHARDS,
     CacheReader,
@@ -24,6 +24,7 @@ from crossdistill.models import build_causal_lm, load_tokenizer
 from crossdistill.train.loop import train
 from crossdistill.train.metrics import read_metrics
 from crossdistill.train.teacher_cache import BuildOptions, build_cache, inspect_cache, windows
+from tests.unit.test_train import _cfg as train_cfg
 
 OPTS = BuildOptions(quantization="none", progress=False)
 
@@ -150,36 +151,10 @@ def checkpoints(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
 
 
 def _cfg(corpus: Path, out: Path, tokenizer_dir, teachers: list[dict], **train) -> Config:
-    raw = {
-        "student": {
-            "arch": "tiny-llama",
-            "tokenizer": str(tokenizer_dir("gpt2")),
-            "dtype": "float32",
-            "overrides": {"vocab_size": 50304, "hidden_size": 32, "intermediate_size": 64},
-        },
-        "teachers": teachers,
-        "data": {
-            "train": [str(corpus / "train.jsonl")],
-            "validation": [str(corpus / "val.jsonl")],
-            "seq_len": 2 * DOC_TOKENS,
-            "micro_batch_size": 2,
-            "num_workers": 0,
-        },
-        "optim": {"lr": 1e-2, "warmup_steps": 1},
-        "train": {
-            "steps": 4,
-            "grad_accum": 2,
-            "eval_every": 2,
-            "eval_batches": 2,
-            "checkpoint_every": 2,
-            "log_every": 1,
-            "device": "cpu",
-            "loss_chunk_size": 48,
-            **train,
-        },
-        "run": {"out_dir": str(out), "tensorboard": False, "progress": False},
-    }
-    return from_dict(Config, raw)
+    """The trainer tests' run, with rows of two whole documents."""
+    cfg = train_cfg(corpus, out, tokenizer_dir, teachers, **train)
+    cfg.data.seq_len = 2 * DOC_TOKENS
+    return cfg
 
 
 def _teachers(checkpoints, **cache) -> list[dict]:
@@ -407,3 +382,17 @@ def test_a_quantised_cache_trains_within_one_percent_of_the_live_teachers(
             assert rb["loss"] == pytest.approx(ra["loss"], rel=0.01)
     for key in ("val/loss/kd/llama2", "val/loss/kd/gpt2", "val/bpb/student"):
         assert cached[key] == pytest.approx(live[key], rel=0.01), key
+
+
+def test_the_record_index_finds_every_key_and_only_those():
+    from crossdistill.data.teacher_cache import RecordIndex
+
+    g = np.random.default_rng(3)
+    keys = [bytes(g.integers(0, 256, 16, dtype=np.uint8)).hex() for _ in range(500)]
+    keys += ["ab" * 15 + "00", "00" * 16]  # numpy's byte strings drop trailing NULs
+    shards = [(s, [[k, i, 1, 2, 3, 4] for i, k in enumerate(keys) if i % 3 == s]) for s in range(3)]
+    index = RecordIndex(shards)
+    assert len(index) == len(keys) and sorted(index) == sorted(keys)
+    for i, k in enumerate(keys):
+        assert k in index and index[k] == (i % 3, i, 1, 2, 3, 4)
+    assert "ab" * 15 + "01" not in index and "ff" * 16 not in index
