@@ -240,6 +240,14 @@ def test_mismatches_are_refused_before_training(
         run(tokenizer=str(tokenizer_dir("mistral")))
     with pytest.raises(UserError, match="not a teacher cache"):
         run(cache=str(tmp_path))
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(built["llama2"], old)
+    manifest = json.loads((old / "manifest.json").read_text())
+    (old / "manifest.json").write_text(json.dumps({**manifest, "format": 0}))
+    with pytest.raises(UserError, match="has format 0.*rebuild it"):
+        run(cache=str(old))
     # a document the cache lacks: an error naming it, or skipped and counted
     extra = tmp_path / "extra.jsonl"
     extra.write_text(json.dumps({"text": "a document the cache has never seen"}) + "\n")
