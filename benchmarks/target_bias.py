@@ -37,8 +37,8 @@ from crossdistill.alignment.projection import build_projection  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
 from crossdistill.bench.quality import corpus_pieces, first_bytes  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
-
-KINDS = ("right", "student_longer", "student_shorter", "other")
+from crossdistill.train.audit import FIRST_PIECE_KINDS as KINDS  # noqa: E402
+from crossdistill.train.audit import first_piece_kinds  # noqa: E402
 
 
 def texts_of(corpora: list[str], limit: int) -> list[str]:
@@ -61,16 +61,11 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     for es, et in zip(enc_s, enc_t):
         ids_s, ids_t = np.asarray(es.ids), np.asarray(et.ids)
         chunks = align(ids_s, ids_t, bytes_s, bytes_t).chunks
-        s0, s1, t0, t1 = chunks.T
-        keep = (s0 > 0) & (t0 > 0)
-        s0, s1, t0, t1 = s0[keep], s1[keep], t0[keep], t1[keep]
-        label, target = ids_s[s0], first[ids_t[t0]]
-        right = target == label
-        one_s, one_t = s1 - s0 == 1, t1 - t0 == 1
-        counts["right"] += int(right.sum())
-        counts["student_longer"] += int((~right & one_s & ~one_t).sum())
-        counts["student_shorter"] += int((~right & ~one_s & one_t).sum())
-        counts["other"] += int((~right & ~(one_s ^ one_t)).sum())
+        kinds = first_piece_kinds(ids_s, ids_t, chunks, first)
+        for k, v in kinds.items():
+            counts[k] += int(v.sum())
+        at = chunks[(chunks[:, 0] > 0) & (chunks[:, 2] > 0)]
+        label, target, right = ids_s[at[:, 0]], first[ids_t[at[:, 2]]], kinds["right"]
         label_bytes += int(bytes_s.lengths[label[~right]].sum())
         target_bytes += int(bytes_s.lengths[target[~right & (target >= 0)]].sum())
     total = sum(counts.values())
