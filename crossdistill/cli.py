@@ -24,6 +24,7 @@ SUBCOMMANDS = [
     ("crossdistill.train.cli", "add_plot_parser"),
     ("crossdistill.train.teacher_cache", "add_cache_parser"),
     ("crossdistill.train.audit", "add_audit_parser"),
+    ("crossdistill.eval.cli", "add_eval_parser"),
     ("crossdistill.data.cli", "add_align_parser"),
     ("crossdistill.alignment.cli", "add_projection_parser"),
     ("crossdistill.bench", "add_bench_parser"),

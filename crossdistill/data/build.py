@@ -30,6 +30,7 @@ def build_loader(
     chat_templates: list[str | None] | None = None,
     pin_memory: bool | None = None,
     caches: list[CachedTeacher | None] | None = None,
+    fill_one_batch: bool = True,
 ) -> DistillLoader | HeldOut:
     """A loader of `Batch`es for `split`, this data-parallel rank's share of it: the endless,
     resumable training stream, or the validation split as `HeldOut` (the same batches every
@@ -38,7 +39,8 @@ def build_loader(
     tok_s / toks_t: the student's and each teacher's (fast HF) tokenizer, teachers in config
     order. chat_templates: optional templates for `[student, *teachers]` (None: the
     tokenizer's own). caches: per teacher, the cache it reads its targets from (None: it runs
-    live; `Batch.cached`). Raises `UserError` for bad settings, missing files or columns, and a
+    live; `Batch.cached`). fill_one_batch: refuse a validation split that does not fill one
+    micro-batch (a trainer's validation would be padding; an evaluation takes any size). Raises `UserError` for bad settings, missing files or columns, and a
     validation split too small to fill one micro-batch on this rank.
     """
     _check_settings(data_cfg, split, rank, world_size)
@@ -81,7 +83,8 @@ def build_loader(
     )
     if not train:
         stream = PackedStream(plan, sides, spec, 0, 0, repeat=False)
-        _check_validation_fills_a_batch(stream, paths)
+        if fill_one_batch:
+            _check_validation_fills_a_batch(stream, paths)
         return HeldOut(stream, rank, world_size)
     stream = PackedStream(plan, sides, spec, rank, num_workers, repeat=True)
     _check_train_share(stream)

@@ -232,7 +232,7 @@ class HeldOut:
     def _global(self, num: int) -> list[Batch]:
         """The first `num` batches of the split (fewer if it has fewer), built once."""
         if self._source is None and not self._complete:
-            self._source = self._stream()
+            self._source = self.stream_batches()
         while len(self._built) < num and not self._complete:
             item = next(self._source, None)
             if item is None:
@@ -241,7 +241,8 @@ class HeldOut:
                 self._built.append(item[0])
         return self._built[:num]
 
-    def _stream(self) -> Iterator[tuple[Batch, WorkerState]]:
+    def stream_batches(self) -> Iterator[tuple[Batch, WorkerState]]:
+        """The whole split's batches as they are packed, none kept (a one-pass evaluation)."""
         s = self.stream
         try:
             yield from batch_stream(s.plan, 0, s.sides, s.spec, WorkerState(), repeat=False)

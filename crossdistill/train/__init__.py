@@ -5,6 +5,5 @@ one-rank layout), `step.py` (one optimizer step over a window of micro-batches),
 `evaluate.py` (held-out loss and bits per byte), `checkpoint.py` (DCP checkpoints of every
 layout, the Hugging Face export), `metrics.py`, `demo.py`, `teacher_cache.py` (`crossdistill
 cache build|inspect`, and the checks a run does before it reads a cache), `audit.py`
-(`crossdistill audit`: a tokenizer pair on the user's text). Imports every part
-below it;
+(`crossdistill audit`: a tokenizer pair on the user's text). Imports every part below it;
 only `bench` and `cli` import it."""

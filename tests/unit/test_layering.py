@@ -17,6 +17,7 @@ LAYERS = [
     {"data"},
     {"distributed"},
     {"train"},
+    {"eval"},
     {"bench"},
     {"cli", "config_cli", "__main__"},
 ]

@@ -1,0 +1,111 @@
+"""`crossdistill eval MODEL [MODEL ...] --task KIND=PATH ...`"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from crossdistill.errors import UserError
+
+KINDS = ("bpb", "choice")
+EXAMPLES = """examples:
+  crossdistill eval runs/demo/final --task bpb=held_out.jsonl
+  crossdistill eval runs/a/final runs/b/final /ckpt/teacher --task bpb=val.jsonl \\
+      --task choice=mmlu_dev.jsonl --json
+task kinds:
+  bpb=FILE      bits per byte on a corpus (JSONL/text/Parquet; tokenizer-free, so models with
+                different tokenizers compare directly)
+  choice=FILE   multiple-choice JSONL (question, choices, answer, optional subject): accuracy,
+                acc_norm and per-subject accuracy by log-likelihood
+"""
+
+
+def add_eval_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate one or several model folders (bits per byte, multiple choice)",
+        description="Evaluate Hugging Face causal LM folders; several are put side by side.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("models", nargs="+", help="model folders (a run's final/ included)")
+    p.add_argument("--compare", action="store_true", help="(several models are always compared)")
+    p.add_argument("--task", action="append", default=[], metavar="KIND=PATH", required=True)
+    p.add_argument("--seq-len", type=int, default=2048, help="bpb: tokens per packed row")
+    p.add_argument("--batch-size", type=int, default=4, help="bpb: rows per forward")
+    p.add_argument("--max-batches", type=int, default=None, help="bpb: stop after this many")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--bad-input", choices=["skip", "error"], default="skip")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run)
+
+
+def parse_tasks(specs: list[str]) -> list[tuple[str, str]]:
+    tasks = []
+    for spec in specs:
+        kind, sep, path = spec.partition("=")
+        if not sep or kind not in KINDS or not path:
+            raise UserError(f"--task {spec!r}: write KIND=PATH with KIND one of {', '.join(KINDS)}")
+        tasks.append((kind, path))
+    return tasks
+
+
+def evaluate_models(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    from crossdistill.eval.bpb import bits_per_byte
+    from crossdistill.eval.choice import multiple_choice
+    from crossdistill.eval.model import load_eval_model
+
+    tasks = parse_tasks(args.task)
+    if args.seq_len < 8 or args.batch_size < 1:
+        raise UserError("--seq-len must be >= 8 and --batch-size >= 1")
+    results: dict[str, dict[str, Any]] = {}
+    for path in args.models:
+        m = load_eval_model(path, args.device)
+        row: dict[str, Any] = {}
+        for kind, task in tasks:
+            if kind == "bpb":
+                row[f"bpb:{task}"] = bits_per_byte(
+                    m, [task], args.seq_len, args.batch_size, args.max_batches, args.text_field,
+                    progress=not args.json,
+                )  # fmt: skip
+            else:
+                row[f"choice:{task}"] = multiple_choice(m, task, args.bad_input)
+        results[path] = row
+        del m
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    results = evaluate_models(args)
+    if args.json:
+        print(json.dumps(results))
+        return 0
+    print_table(results)
+    return 0
+
+
+def print_table(results: dict[str, dict[str, Any]]) -> None:
+    models = list(results)
+    rows: list[tuple[str, list[str]]] = []
+    first = results[models[0]]
+    for task in first:
+        keys = ["bpb"] if task.startswith("bpb:") else ["accuracy", "acc_norm"]
+        for key in keys:
+            rows.append((f"{task} {key}", [_fmt(results[m][task][key]) for m in models]))
+        if task.startswith("choice:"):
+            for subject in first[task]["subjects"]:
+                cells = [_fmt(results[m][task]["subjects"].get(subject)) for m in models]
+                rows.append((f"  {subject}", cells))
+    width = max(len(name) for name, _ in rows)
+    names = [Path(m).name or m for m in models]
+    cols = [max(len(n), 8) for n in names]
+    print(" " * width + "  " + "  ".join(n.rjust(c) for n, c in zip(names, cols)))
+    for name, cells in rows:
+        print(name.ljust(width) + "  " + "  ".join(v.rjust(c) for v, c in zip(cells, cols)))
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.4f}"

@@ -1,0 +1,118 @@
+"""`crossdistill eval`: bits per byte and multiple-choice scores against direct computations on
+a tiny model with a real tokenizer (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from crossdistill.cli import main
+from crossdistill.errors import UserError
+from crossdistill.eval.bpb import bits_per_byte
+from crossdistill.eval.choice import multiple_choice, read_task
+from crossdistill.eval.model import load_eval_model
+
+TEXTS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "café naïve — 東京 🙂",
+]
+QUESTIONS = [
+    {"question": "2 + 2 =", "choices": ["4", "5", "22"], "answer": 0, "subject": "math"},
+    {"question": "The sky is", "choices": ["blue", "green"], "answer": "A", "subject": "nature"},
+    {"question": "Water is", "choices": ["dry", "wet", "hot"], "answer": 1, "subject": "nature"},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, tokenizer_dir) -> Path:
+    from crossdistill.models import build_causal_lm, load_tokenizer
+
+    d = tmp_path_factory.mktemp("evalmodel")
+    model = build_causal_lm(
+        arch="tiny-llama",
+        overrides={"vocab_size": 50304, "hidden_size": 32, "intermediate_size": 64,
+                   "initializer_range": 0.3},
+        seed=0,
+    )  # fmt: skip
+    model.save_pretrained(d, safe_serialization=True)
+    load_tokenizer(str(tokenizer_dir("gpt2"))).save_pretrained(d)
+    return d
+
+
+def _logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+
+
+def test_bits_per_byte_is_the_models_nll_over_the_texts_bytes(model_dir, tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    m = load_eval_model(str(model_dir), "cpu")
+    got = bits_per_byte(m, [str(corpus)], seq_len=64, batch_size=2)
+    eot = m.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    nll = 0.0
+    for text in TEXTS:  # GPT-2: the document end token starts and ends each document
+        ids = [eot, *m.tokenizer.encode(text), eot]
+        lp = _logprobs(m.model, ids)
+        nll -= float(sum(lp[i, ids[i + 1]] for i in range(len(ids) - 1)))
+    nbytes = sum(len(t.encode()) for t in TEXTS)
+    assert got["bytes"] == nbytes
+    assert got["bpb"] == pytest.approx(nll / math.log(2) / nbytes, rel=1e-4)
+
+
+def test_multiple_choice_scores_are_the_choices_log_likelihoods(model_dir, tmp_path):
+    task = tmp_path / "t.jsonl"
+    lines = [json.dumps(q) for q in QUESTIONS]
+    lines += ["not json", json.dumps({"question": "q", "choices": ["a"], "answer": 0})]
+    task.write_text("\n".join(lines) + "\n")
+    m = load_eval_model(str(model_dir), "cpu")
+    got = multiple_choice(m, str(task))
+    assert got["questions"] == 3 and got["skipped"] == 2
+    eot = m.tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    right = 0
+    for q in QUESTIONS:
+        scores = []
+        for c in q["choices"]:
+            ctx = [eot, *m.tokenizer.encode(f"{q['question']}\nAnswer:")]
+            cont = m.tokenizer.encode(f" {c}")
+            lp = _logprobs(m.model, ctx + cont)
+            scores.append(sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)))
+        answer = q["answer"] if isinstance(q["answer"], int) else "ABC".index(q["answer"])
+        right += max(range(len(scores)), key=scores.__getitem__) == answer
+    assert got["accuracy"] == pytest.approx(right / 3)
+    assert set(got["subjects"]) == {"math", "nature"}
+
+
+def test_bad_input_is_one_line(model_dir, tmp_path, capsys):
+    task = tmp_path / "t.jsonl"
+    task.write_text(json.dumps(QUESTIONS[0]) + "\n" + json.dumps({"question": "x"}) + "\n")
+    with pytest.raises(UserError, match="t.jsonl:2: `choices`"):
+        read_task(str(task), "error")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="no \\*.safetensors"):
+        load_eval_model(str(tmp_path / "empty"))
+    with pytest.raises(UserError, match="does not exist"):
+        load_eval_model(str(tmp_path / "nothing"))
+    assert main(["eval", str(model_dir), "--task", "mmlu"]) == 2
+    assert "KIND=PATH" in capsys.readouterr().err
+
+
+def test_the_command_compares_models_in_one_table_and_json(model_dir, tmp_path, capsys):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    task = tmp_path / "t.jsonl"
+    task.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    args = ["eval", str(model_dir), str(model_dir), "--task", f"bpb={corpus}",
+            "--task", f"choice={task}", "--seq-len", "64", "--device", "cpu"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out) == [str(model_dir)]  # the same folder twice: one entry
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert "accuracy" in table and "bpb" in table and "nature" in table
