@@ -138,6 +138,9 @@ class TrainConfig:
     teacher_mode: Literal["weighted", "dynamic", "best"] = "weighted"
     eval_every: int = 200
     eval_batches: int = 20
+    # tasks run on the student at each validation and at the end (one process), as
+    # `crossdistill eval --task` takes them: ["bpb=held_out.jsonl", "choice=mmlu.jsonl", ...]
+    eval_tasks: list[str] = field(default_factory=list)
     checkpoint_every: int = 500
     keep_last: int = 2
     # write checkpoints from a background thread (the loop waits only for the copy of the

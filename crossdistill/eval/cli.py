@@ -9,7 +9,6 @@ from typing import Any
 
 from crossdistill.errors import UserError
 
-KINDS = ("bpb", "choice", "code")
 EXAMPLES = """examples:
   crossdistill eval runs/demo/final --task bpb=held_out.jsonl
   crossdistill eval runs/a/final runs/b/final /ckpt/teacher --task bpb=val.jsonl \\
@@ -51,24 +50,15 @@ def add_eval_parser(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def parse_tasks(specs: list[str]) -> list[tuple[str, str]]:
-    tasks = []
-    for spec in specs:
-        kind, sep, path = spec.partition("=")
-        if not sep or kind not in KINDS or not path:
-            raise UserError(f"--task {spec!r}: write KIND=PATH with KIND one of {', '.join(KINDS)}")
-        tasks.append((kind, path))
-    return tasks
-
-
 def evaluate_models(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from crossdistill.eval.bpb import bits_per_byte
     from crossdistill.eval.choice import multiple_choice
     from crossdistill.eval.code import code_generation
     from crossdistill.eval.model import load_eval_model
     from crossdistill.eval.sandbox import Limits
+    from crossdistill.eval.tasks import parse_task
 
-    tasks = parse_tasks(args.task)
+    tasks = [(t.kind, t.path) for t in map(parse_task, args.task)]
     if args.seq_len < 8 or args.batch_size < 1:
         raise UserError("--seq-len must be >= 8 and --batch-size >= 1")
     results: dict[str, dict[str, Any]] = {}

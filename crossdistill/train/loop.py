@@ -130,6 +130,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                 t_last, tokens = now, 0
             if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
                 final = evaluate(c, cfg)
+                final.update(eval_tasks(c, cfg))
                 logger.log(done, final)
             if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
                 _save(c, done, saver)
@@ -138,6 +139,24 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
     saver.wait()  # the checkpoint group's collectives: the background save's first, then ours
     export_hf(c.student, c.tok_s, run_dir / "final", c.fused)
     return final
+
+
+def eval_tasks(c, cfg: Config) -> dict[str, float]:
+    """`train.eval_tasks` on the student as it is now (one process: checked at load)."""
+    if not cfg.train.eval_tasks:
+        return {}
+    from crossdistill.eval.model import EvalModel
+    from crossdistill.eval.tasks import parse_task, run_tasks
+
+    tasks = [parse_task(spec) for spec in cfg.train.eval_tasks]
+    options = {"seq_len": cfg.data.seq_len, "batch_size": cfg.data.micro_batch_size}
+    was_training = c.student.training
+    c.student.eval()
+    try:
+        with torch.autocast(c.device.type, dtype=torch.bfloat16, enabled=c.device.type == "cuda"):
+            return run_tasks(EvalModel("student", c.student, c.tok_s, c.device), tasks, options)
+    finally:
+        c.student.train(was_training)
 
 
 class _Silent:

@@ -7,6 +7,7 @@ change.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,3 +165,12 @@ def _check_scalars(cfg: Config) -> None:
     for ok, message in rules:
         if not ok:
             raise UserError(message)
+    from crossdistill.eval.tasks import parse_task
+
+    for i, spec in enumerate(t.eval_tasks):
+        parse_task(spec, f"train.eval_tasks.{i}")
+    if t.eval_tasks and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UserError(
+            "train.eval_tasks runs in one process; under torchrun, drop it and evaluate the "
+            "run's final/ folder with `crossdistill eval`"
+        )

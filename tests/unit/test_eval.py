@@ -131,3 +131,31 @@ def test_code_generation_runs_the_models_completions(model_dir, tmp_path, capsys
     args = ["eval", str(model_dir), "--task", f"code={f}", "--max-new-tokens", "8", "--json"]
     assert main(args) == 0
     assert "pass@1" in json.loads(capsys.readouterr().out)[str(model_dir)][f"code:{f}"]
+
+
+def test_training_runs_its_eval_tasks_at_each_validation(tmp_path, tokenizer_dir):
+    from crossdistill.train.loop import train
+    from crossdistill.train.metrics import read_metrics
+    from crossdistill.train.plot import plot_run
+    from tests.unit.test_train import TEXTS, _cfg
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name, texts in (("train.jsonl", TEXTS), ("val.jsonl", TEXTS[:8])):
+        (data / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    task = tmp_path / "quiz.jsonl"
+    task.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    specs = [f"bpb={data / 'val.jsonl'}", f"choice={task}"]
+    cfg = _cfg(data, tmp_path / "run", tokenizer_dir, [], kd_ratio=0.0, eval_tasks=specs)
+    final = train(cfg)
+    assert 0 < final["eval/bpb/val"] < 40 and 0 <= final["eval/choice/quiz/accuracy"] <= 1
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "eval/bpb/val" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    assert any(p.name == "eval.png" for p in plot_run(tmp_path / "run"))
+    cfg.run.out_dir = str(tmp_path / "refused")
+    cfg.train.eval_tasks = ["mmlu=whatever"]
+    with pytest.raises(UserError, match="train.eval_tasks.0 'mmlu=whatever': write KIND=PATH"):
+        train(cfg)
+    cfg.train.eval_tasks = [f"choice={tmp_path / 'missing.jsonl'}"]
+    with pytest.raises(UserError, match="missing.jsonl does not exist"):
+        train(cfg)

@@ -16,8 +16,8 @@ LAYERS = [
     {"alignment"},
     {"data"},
     {"distributed"},
-    {"train"},
     {"eval"},
+    {"train"},
     {"bench"},
     {"cli", "config_cli", "__main__"},
 ]
