@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from crossdistill.alignment import align  # noqa: E402
 from crossdistill.alignment.projection import build_projection  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
-from crossdistill.bench.quality import corpus_pieces, first_bytes  # noqa: E402
+from crossdistill.bench.quality import corpus_pieces  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 from crossdistill.train.audit import FIRST_PIECE_KINDS as KINDS  # noqa: E402
-from crossdistill.train.audit import first_piece_kinds  # noqa: E402
+from crossdistill.train.audit import first_bytes, first_piece_kinds  # noqa: E402
 
 
 def texts_of(corpora: list[str], limit: int) -> list[str]:

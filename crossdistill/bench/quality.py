@@ -43,6 +43,7 @@ from crossdistill.config import (
     to_dict,
 )
 from crossdistill.errors import UserError
+from crossdistill.train.audit import first_bytes
 
 ARCH_KEYS = (
     "hidden_size",
@@ -325,17 +326,6 @@ def write_student_share(data: Path, train: list[str], num_bytes: int) -> Path:
     path = _share_path(data, num_bytes)
     _write_jsonl(path, first_bytes(train, num_bytes))
     return path
-
-
-def first_bytes(texts: list[str], num_bytes: int) -> list[str]:
-    """The first whole texts of `texts` until at least `num_bytes` UTF-8 bytes are taken."""
-    out, size = [], 0
-    for text in texts:
-        if size >= num_bytes:
-            break
-        out.append(text)
-        size += len(text.encode())
-    return out
 
 
 def student_train_file(data: Path, scale: Scale) -> Path:

@@ -11,7 +11,6 @@ log-probability of its tokens given the context. Reported: accuracy (highest sco
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -19,41 +18,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from crossdistill.errors import UserError
 from crossdistill.eval.model import EvalModel
+from crossdistill.eval.records import read_records
 
 LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def read_task(path: str, bad_input: str = "skip") -> tuple[list[dict], int]:
     """The task's well-formed records and how many lines were skipped."""
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"task file {path} does not exist")
-    records, skipped = [], 0
-    with open(file, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record, why = _check(line)
-            if why is None:
-                records.append(record)
-                continue
-            if bad_input == "error":
-                raise UserError(f"{path}:{n}: {why}; fix the record or use --bad-input skip")
-            skipped += 1
-    if not records:
-        raise UserError(f"{path} holds no well-formed question ({skipped} malformed lines)")
-    return records, skipped
+    return read_records(Path(path), _check, bad_input, "question")
 
 
-def _check(line: str) -> tuple[dict | None, str | None]:
-    try:
-        r = json.loads(line)
-    except json.JSONDecodeError as e:
-        return None, f"not JSON ({e.msg})"
-    if not isinstance(r, dict):
-        return None, "not a JSON object"
+def _check(r: dict) -> tuple[dict | None, str | None]:
     q, choices, answer = r.get("question"), r.get("choices"), r.get("answer")
     if not isinstance(q, str) or not q.strip():
         return None, "no `question` text"

