@@ -43,6 +43,7 @@ def add_eval_parser(subparsers) -> None:
     p.add_argument("--bad-input", choices=["skip", "error"], default="skip")
     p.add_argument("--max-new-tokens", type=int, default=256, help="code: tokens per completion")
     p.add_argument("--code-tasks", type=int, default=None, help="code: only the first N tasks")
+    p.add_argument("--code-batch", type=int, default=8, help="code: prompts per generate call")
     p.add_argument("--code-timeout", type=float, default=10.0, help="code: seconds per sample")
     p.add_argument(
         "--reference", action="store_true", help="code: run the tasks' own solutions (a check)"
@@ -87,7 +88,7 @@ def evaluate_models(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
                 limits = Limits(timeout_s=args.code_timeout, cpu_s=max(1, int(args.code_timeout)))
                 row[f"code:{task}"] = code_generation(
                     m, task, args.max_new_tokens, limits, args.code_tasks, args.reference,
-                    args.bad_input, progress=not args.json,
+                    args.bad_input, progress=not args.json, batch_size=args.code_batch,
                 )  # fmt: skip
         results[path] = row
         del m

@@ -66,17 +66,34 @@ def truncate(completion: str) -> str:
 
 
 @torch.no_grad()
-def complete(m, prompt: str, max_new_tokens: int) -> str:
-    """The model's greedy continuation of `prompt`, cut at the first stop sequence."""
+def complete(m, prompts: list[str], max_new_tokens: int) -> list[str]:
+    """The model's greedy continuations of `prompts` (one batch, left-padded), each cut at the
+    first stop sequence. Generation runs with SDPA attention (the packed-sequence attention
+    the trainer uses has no key/value cache)."""
+    from crossdistill.models.attention import set_attention
+
     tok = m.tokenizer
-    ids = tok(prompt, return_tensors="pt").input_ids.to(m.device)
-    out = m.model.generate(
-        ids,
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
-    )
-    return truncate(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    encoded = [tok(p)["input_ids"] for p in prompts]
+    width = max(len(e) for e in encoded)
+    ids = torch.full((len(encoded), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for i, e in enumerate(encoded):
+        ids[i, width - len(e) :] = torch.tensor(e)
+        mask[i, width - len(e) :] = 1
+    before = m.model.config._attn_implementation
+    set_attention(m.model, "sdpa")
+    try:
+        out = m.model.generate(
+            ids.to(m.device),
+            attention_mask=mask.to(m.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+    finally:
+        set_attention(m.model, before)
+    return [truncate(tok.decode(row[width:], skip_special_tokens=True)) for row in out]
 
 
 def code_generation(
@@ -88,6 +105,7 @@ def code_generation(
     reference: bool = False,
     bad_input: str = "skip",
     progress: bool = False,
+    batch_size: int = 8,
 ) -> dict[str, Any]:
     """pass@1 of greedy completions (or of the tasks' own solutions with `reference`)."""
     from tqdm.auto import tqdm
@@ -96,18 +114,15 @@ def code_generation(
     tasks = tasks[:limit] if limit else tasks
     outcomes: Counter[str] = Counter()
     failures = []
-    for task in tqdm(tasks, desc="code", unit="task", disable=not progress):
-        if reference:
-            if not task["reference"]:
-                raise UserError(f"task {task['task_id']} has no reference solution")
-            body = task["reference"]
-        else:
-            body = complete(m, task["prompt"], max_new_tokens)
+    bar = tqdm(total=len(tasks), desc="code", unit="task", disable=not progress)
+    for task, body in zip(tasks, _bodies(m, tasks, max_new_tokens, reference, batch_size)):
+        bar.update(1)
         program = task["prompt"] + body + "\n\n" + task["tests"]
         result = run_program(program, limits or Limits())
         outcomes[result.status] += 1
         if result.status != "passed" and len(failures) < 5:
             failures.append({"task_id": task["task_id"], "status": result.status})
+    bar.close()
     n = len(tasks)
     return {
         "pass@1": outcomes["passed"] / n,
@@ -116,3 +131,16 @@ def code_generation(
         "outcomes": dict(outcomes),
         "first_failures": failures,
     }
+
+
+def _bodies(m, tasks: list[dict], max_new_tokens: int, reference: bool, batch_size: int):
+    """Each task's function body: its reference solution, or the model's completions generated
+    `batch_size` prompts at a time."""
+    if reference:
+        for task in tasks:
+            if not task["reference"]:
+                raise UserError(f"task {task['task_id']} has no reference solution")
+            yield task["reference"]
+        return
+    for lo in range(0, len(tasks), batch_size):
+        yield from complete(m, [t["prompt"] for t in tasks[lo : lo + batch_size]], max_new_tokens)

@@ -146,6 +146,11 @@ def varlen_attention(
     -> `[B, T, H, D]`, causal within each segment."""
     if dropout:
         raise ValueError("varlen attention has no dropout (distillation runs without it)")
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            "varlen attention runs whole sequences, not a key/value cache (generation): build "
+            "the model with attn_implementation='sdpa' for that"
+        )
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         cu, max_len = segments_from_positions(_positions(kwargs, query))

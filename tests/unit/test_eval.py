@@ -179,3 +179,27 @@ def test_lm_eval_runs_a_task_defined_in_a_local_file(model_dir, tmp_path, capsys
     assert 0.0 <= got["local_quiz"]["acc,none"] <= 1.0
     assert main([*args[:3], "lm_eval=no_such_task", *args[4:]]) == 2
     assert "knows no task no_such_task" in capsys.readouterr().err
+
+
+def test_batched_generation_is_greedy_decoding_of_each_prompt(model_dir):
+    from crossdistill.eval.code import complete
+
+    m = load_eval_model(str(model_dir), "cpu")
+    prompts = ["def add(a, b):\n", "# a much longer prompt, so the batch is left-padded\nx = 1\n"]
+    got = complete(m, prompts, max_new_tokens=6)
+    for prompt, text in zip(prompts, got):
+        ids = m.tokenizer(prompt)["input_ids"]
+        new = []
+        for _ in range(6):
+            with torch.no_grad():
+                nxt = int(m.model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            new.append(nxt)
+        want = m.tokenizer.decode(new, skip_special_tokens=True)
+        assert text == want[: len(text)] and want.startswith(text)
+    assert m.model.config._attn_implementation != "sdpa"  # the packed attention is back
+
+
+def test_packed_attention_refuses_a_key_value_cache(model_dir):
+    m = load_eval_model(str(model_dir), "cpu")
+    with pytest.raises(ValueError, match="not a key/value cache"):
+        m.model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
