@@ -35,7 +35,9 @@ def add_eval_parser(subparsers) -> None:
     )
     p.add_argument("models", nargs="+", help="model folders (a run's final/ included)")
     p.add_argument("--compare", action="store_true", help="(several models are always compared)")
-    p.add_argument("--task", action="append", default=[], metavar="KIND=PATH", required=True)
+    p.add_argument(
+        "--task", "--tasks", action="append", default=[], metavar="KIND=PATH", required=True
+    )
     p.add_argument("--seq-len", type=int, default=2048, help="bpb: tokens per packed row")
     p.add_argument("--batch-size", type=int, default=4, help="bpb: rows per forward")
     p.add_argument("--max-batches", type=int, default=None, help="bpb: stop after this many")

@@ -28,6 +28,8 @@ class Task:
 
 def parse_task(spec: str, where: str = "--task") -> Task:
     """`KIND=PATH` as a `Task`; the file must exist (`code=humaneval` needs no file)."""
+    if spec.startswith("lm_eval:"):  # the harness's own spelling, `lm_eval:mmlu,hellaswag`
+        spec = "lm_eval=" + spec.removeprefix("lm_eval:")
     kind, sep, path = spec.partition("=")
     if not sep or kind not in KINDS or not path:
         raise UserError(f"{where} {spec!r}: write KIND=PATH with KIND one of {', '.join(KINDS)}")

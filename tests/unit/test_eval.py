@@ -177,6 +177,8 @@ def test_lm_eval_runs_a_task_defined_in_a_local_file(model_dir, tmp_path, capsys
     assert main(args) == 0
     got = json.loads(capsys.readouterr().out)[str(model_dir)]["lm_eval:local_quiz"]
     assert 0.0 <= got["local_quiz"]["acc,none"] <= 1.0
+    assert main([*args[:2], "--tasks", "lm_eval:local_quiz", *args[4:]]) == 0
+    assert "local_quiz" in json.loads(capsys.readouterr().out)[str(model_dir)]["lm_eval:local_quiz"]
     assert main([*args[:3], "lm_eval=no_such_task", *args[4:]]) == 2
     assert "knows no task no_such_task" in capsys.readouterr().err
 
