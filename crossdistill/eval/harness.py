@@ -22,9 +22,10 @@ def harness_tasks(
         import lm_eval
         from lm_eval.models.huggingface import HFLM
         from lm_eval.tasks import TaskManager
-    except ImportError:
+    except ImportError as e:
         raise UserError(
-            "lm_eval tasks need lm-evaluation-harness: pip install 'crossdistill[eval]'"
+            "lm_eval tasks need lm-evaluation-harness with its Hugging Face backend (missing: "
+            f"{e.name}): pip install 'crossdistill[eval]'"
         ) from None
     lm = HFLM(
         pretrained=m.model,
