@@ -17,23 +17,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from crossdistill.bench.step_cache import bare_forward, corpus_rows, timed_rate
 from crossdistill.config import Config, DataConfig, TeacherConfig, TrainConfig
-from crossdistill.data.documents import BadInputPolicy
-from crossdistill.data.encoders import TokenizerSide
 from crossdistill.distributed.layout import DistEnv
 from crossdistill.losses import teacher_targets
-from crossdistill.models import Teacher, build_causal_lm, load_tokenizer
-from crossdistill.models.forward import final_hidden
+from crossdistill.models import Teacher, build_causal_lm
+from crossdistill.models.forward import final_hidden, packed_row
+from crossdistill.train.cache_build import BuildOptions, build_teacher_cache
 from crossdistill.train.demo_assets import stdlib_corpus
-from crossdistill.train.teacher_cache import (
-    BuildOptions,
-    build_teacher_cache,
-    iter_documents,
-    teacher_tokens,
-)
 
 
 def main() -> None:
@@ -62,48 +55,14 @@ def main() -> None:
 
         apply_compile(model)
     teacher = Teacher(model, "t")
-    side = TokenizerSide(load_tokenizer(args.tokenizer))
     t0 = time.perf_counter()
-    docs = [
-        teacher_tokens(d, side, "all")[0] for _, d, _ in iter_documents(cfg, BadInputPolicy("skip"))
-    ]
+    rows = corpus_rows(cfg, tcfg, args.batch_tokens, max_tokens=1 << 62)
     tokenize_s = time.perf_counter() - t0
-    rows, row = [], []
-    for d in docs:
-        row.append(d[:4096])
-        if sum(x.size for x in row) >= args.batch_tokens:
-            rows.append(row)
-            row = []
     weight = teacher.lm_head_weight
-
-    def inputs(parts):
-        ids = torch.from_numpy(np.concatenate(parts)).view(1, -1).to(device)
-        pos = torch.from_numpy(np.concatenate([np.arange(x.size) for x in parts])).view(1, -1)
-        lengths = [x.size for x in parts]
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-        return ids, pos.to(device), (cu.to(device), max(lengths))
-
-    def timed(fn) -> float:
-        for parts in rows[:3]:  # warm-up (and compilation) on three row lengths
-            fn(parts)
-        torch.cuda.synchronize()
-        start, n = time.perf_counter(), 0
-        for parts in rows:
-            n += fn(parts)
-        torch.cuda.synchronize()
-        return n / (time.perf_counter() - start)
-
-    @torch.no_grad()
-    def bare(parts):
-        ids, pos, seg = inputs(parts)
-        h = final_hidden(model, ids, pos, seg).flatten(0, 1)
-        for r0 in range(0, h.shape[0], 4096):
-            _ = h[r0 : r0 + 4096] @ weight.t()
-        return ids.numel()
 
     @torch.no_grad()
     def targets(parts, to_host=False):
-        ids, pos, seg = inputs(parts)
+        ids, pos, seg = packed_row(parts, device)
         h = final_hidden(model, ids, pos, seg).flatten(0, 1)
         n = ids.numel()
         nxt = torch.cat([ids.view(-1)[1:], ids.new_full((1,), -1)])
@@ -112,14 +71,17 @@ def main() -> None:
             _ = [t.cpu() for t in out.tensors().values()]
         return n
 
+    def timed(fn) -> float:
+        return timed_rate(fn, rows, device)
+
     result = {
         "device": torch.cuda.get_device_name(),
         "teacher": args.teacher,
         "batch_tokens": args.batch_tokens,
         "compile": args.compile,
         "tokens": int(sum(len(x) for r in rows for x in r)),
-        "tokenize_tokens_per_s": sum(d.size for d in docs) / tokenize_s,
-        "bare_forward_tokens_per_s": timed(bare),
+        "tokenize_tokens_per_s": sum(x.size for r in rows for x in r) / tokenize_s,
+        "bare_forward_tokens_per_s": timed(lambda r: bare_forward(teacher, r, 4096)),
         "forward_targets_tokens_per_s": timed(targets),
         "forward_targets_host_tokens_per_s": timed(lambda r: targets(r, True)),
     }

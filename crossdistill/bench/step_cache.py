@@ -2,7 +2,7 @@
 beside the live step in one run.
 
 In the live run's process, after its timed steps: each teacher's cache is built over the
-benchmark's corpus (`train.teacher_cache.build_teacher_cache`, the teacher already in memory)
+benchmark's corpus (`train.cache_build.build_teacher_cache`, the teacher already in memory)
 and the teacher's bare forward (body and lm_head logits, nothing kept) is timed over the same
 packed documents. The live run is then closed, and two more runs are built and timed the same
 way: the student with its teachers read from the caches, and the student alone (for peak
@@ -28,8 +28,8 @@ from crossdistill.data.documents import BadInputPolicy
 from crossdistill.data.encoders import TokenizerSide
 from crossdistill.distributed.layout import DistEnv
 from crossdistill.models import load_tokenizer
-from crossdistill.models.forward import final_hidden
-from crossdistill.train.teacher_cache import (
+from crossdistill.models.forward import final_hidden, packed_row
+from crossdistill.train.cache_build import (
     BuildOptions,
     build_teacher_cache,
     iter_documents,
@@ -73,7 +73,8 @@ class CacheBench:
     def cached_runs(self) -> dict[str, Any]:
         """The step with the teachers read from the caches, then the student alone."""
         out: dict[str, Any] = {}
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         with build_bench(self.args, caches=[str(f) for f in self.folders]) as bench:
             timed = timed_steps(bench, self.args)
         out["cached_tokens_per_s"] = timed["tokens_per_s"]
@@ -82,7 +83,8 @@ class CacheBench:
         if "peak_gib" in timed:
             out["cached_peak_gib"] = timed["peak_gib"]
         del bench
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
         alone = copy.copy(self.args)
         alone.teacher, alone.teacher_tokenizer = [], []
         with build_bench(alone) as bench:
@@ -94,43 +96,32 @@ class CacheBench:
         return out
 
 
-@torch.no_grad()
-def bare_forward_rate(teacher, tcfg, cfg, batch_tokens: int, max_tokens: int = 1 << 18) -> float:
-    """Tokens/s of the teacher's forward alone (body, then lm_head logits chunk by chunk, the
-    top-k and everything else left out) over the corpus's documents packed `batch_tokens` to
-    a row, as the build packs them."""
+def corpus_rows(
+    cfg, tcfg, batch_tokens: int, max_tokens: int = 1 << 18, window: int = 4096
+) -> list[list[np.ndarray]]:
+    """The teacher tokens of the corpus's documents (each cut at `window`), grouped into rows
+    of at least `batch_tokens`, as a cache build groups them (up to `max_tokens` in all)."""
     side = TokenizerSide(load_tokenizer(tcfg.tokenizer or tcfg.path))
-    docs = []
+    rows, row, size, total = [], [], 0, 0
     for _, doc, _ in iter_documents(cfg, BadInputPolicy("skip")):
         made = teacher_tokens(doc, side, cfg.data.loss_on)
         if not isinstance(made, tuple):
             continue
-        docs.append(made[0][:4096])
-        if sum(d.size for d in docs) >= max_tokens:
-            break
-    rows, row = [], []
-    for d in docs:
-        row.append(d)
-        if sum(x.size for x in row) >= batch_tokens:
+        row.append(made[0][:window])
+        size += row[-1].size
+        total += row[-1].size
+        if size >= batch_tokens:
             rows.append(row)
-            row = []
-    rows = rows or [row]
-    device, weight = teacher.device, teacher.lm_head_weight
-    chunk = cfg.train.loss_chunk_size
+            row, size = [], 0
+        if total >= max_tokens:
+            break
+    return rows or [row]
 
-    def forward(parts: list[np.ndarray]) -> int:
-        ids = torch.from_numpy(np.concatenate(parts)).view(1, -1).to(device)
-        pos = torch.from_numpy(np.concatenate([np.arange(p.size) for p in parts]))
-        lengths = [p.size for p in parts]
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-        hidden = final_hidden(
-            teacher.model, ids, pos.view(1, -1).to(device), (cu.to(device), max(lengths))
-        ).flatten(0, 1)
-        for r0 in range(0, hidden.shape[0], chunk):
-            _ = hidden[r0 : r0 + chunk] @ weight.t()
-        return ids.numel()
 
-    for parts in rows[:3]:  # warm-up (and compilation) on three row lengths
+def timed_rate(forward, rows: list, device: torch.device) -> float:
+    """Tokens/s of `forward(row) -> tokens` over `rows`, after three rows of warm-up (and
+    compilation for three row lengths)."""
+    for parts in rows[:3]:
         forward(parts)
     sync_device(device)
     t0, tokens = time.perf_counter(), 0
@@ -138,3 +129,22 @@ def bare_forward_rate(teacher, tcfg, cfg, batch_tokens: int, max_tokens: int = 1
         tokens += forward(parts)
     sync_device(device)
     return tokens / (time.perf_counter() - t0)
+
+
+@torch.no_grad()
+def bare_forward(teacher, parts: list[np.ndarray], chunk: int) -> int:
+    """The teacher's body over one packed row, then its lm_head logits chunk by chunk (the
+    top-k and everything else left out); returns the row's tokens."""
+    ids, pos, segments = packed_row(parts, teacher.device)
+    hidden = final_hidden(teacher.model, ids, pos, segments).flatten(0, 1)
+    weight = teacher.lm_head_weight
+    for r0 in range(0, hidden.shape[0], chunk):
+        _ = hidden[r0 : r0 + chunk] @ weight.t()
+    return ids.numel()
+
+
+def bare_forward_rate(teacher, tcfg, cfg, batch_tokens: int, max_tokens: int = 1 << 18) -> float:
+    """Tokens/s of the teacher's bare forward over the corpus packed as the build packs it."""
+    rows = corpus_rows(cfg, tcfg, batch_tokens, max_tokens)
+    chunk = cfg.train.loss_chunk_size
+    return timed_rate(lambda parts: bare_forward(teacher, parts, chunk), rows, teacher.device)

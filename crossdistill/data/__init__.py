@@ -1,4 +1,6 @@
-"""Datasets, packing on common boundaries, collator, resumable loader.
+"""Datasets, packing on common boundaries, collator, resumable loader; the teacher cache's
+on-disk format and reader (`teacher_cache.py`: what `crossdistill cache build` writes and the
+collator reads for a teacher with `cache:`).
 
 `build_loader(data_cfg, tok_s, toks_t, split)` is the entry point; it returns a `DistillLoader`
 of `Batch`es (see `batch.py` for shapes) with `state_dict()` / `load_state_dict()`, or for the

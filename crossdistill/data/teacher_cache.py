@@ -241,7 +241,8 @@ class ShardWriter:
         try:
             return fn()
         except OSError as e:
-            self.abort() if hasattr(self, "_file") else None
+            if hasattr(self, "_file"):  # not while opening it
+                self.abort()
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise UserError(
                     f"disk full while writing {self.path}: the shards written before it are "
@@ -283,11 +284,12 @@ def shard_summary(path: Path, footer: dict[str, Any]) -> dict[str, Any]:
         "bytes": path.stat().st_size,
         "nll": footer["nll"],
         "text_bytes": footer["bytes"],
-        "crc": _file_crc(path),
+        "crc": file_crc(path),
     }
 
 
-def _file_crc(path: Path) -> int:
+def file_crc(path: Path) -> int:
+    """CRC32 of a whole file (what the manifest records per shard)."""
     crc = 0
     with open(path, "rb") as f:
         while block := f.read(1 << 22):

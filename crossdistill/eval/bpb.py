@@ -27,6 +27,7 @@ def bits_per_byte(
 ) -> dict[str, Any]:
     from crossdistill.config import DataConfig
     from crossdistill.data import build_loader
+    from crossdistill.losses import student_loss
     from crossdistill.models.attention import segments_of
     from crossdistill.models.forward import final_hidden
 
@@ -50,15 +51,13 @@ def bits_per_byte(
             break
         sb = batch.to(m.device).student
         hidden = final_hidden(m.model, sb.input_ids, sb.position_ids, segments_of(sb, m.device))
-        hidden, labels = hidden.flatten(0, 1), sb.labels.flatten()
-        keep = labels >= 0
-        hidden, labels = hidden[keep], labels[keep]
-        for r0 in range(0, labels.numel(), 1024):
-            logits = (hidden[r0 : r0 + 1024] @ weight.t()).float()
-            lp = torch.log_softmax(logits, dim=-1)
-            nll -= lp.gather(1, labels[r0 : r0 + 1024, None]).sum().double().cpu()
-        tokens += int(keep.sum())
-        nbytes += int(sb.target_bytes.sum())
+        # the trainer's chunked loss (its fused kernels on a GPU): CE summed over the labels
+        _, metrics = student_loss(
+            hidden.flatten(0, 1), weight, sb.labels.flatten(), kd_ratio=0.0, ce_denominator=1.0
+        )
+        nll += metrics["ce"].double().cpu()
+        tokens += sb.num_target_tokens
+        nbytes += sb.num_target_bytes
         bar.update(1)
     bar.close()
     if nbytes == 0:

@@ -62,7 +62,7 @@ def encode_pair(tokenizer, start: list[int], question: str, choice: str):
 def continuation_logprobs(m: EvalModel, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
     """Σ log p(continuation | context) for each pair, several pairs packed in one row (position
     ids restart for each, so attention never crosses them)."""
-    from crossdistill.models.forward import final_hidden
+    from crossdistill.models.forward import final_hidden, packed_row
 
     weight = m.model.get_output_embeddings().weight
     out: list[float] = []
@@ -75,11 +75,8 @@ def continuation_logprobs(m: EvalModel, pairs: list[tuple[list[int], list[int]]]
             size += sum(map(len, pairs[i]))
             i += 1
         seqs = [ctx + cont for ctx, cont in group]
-        ids = torch.tensor([t for s in seqs for t in s], device=m.device).view(1, -1)
-        pos = torch.tensor([p for s in seqs for p in range(len(s))], device=m.device).view(1, -1)
         lengths = [len(s) for s in seqs]
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-        hidden = final_hidden(m.model, ids, pos, (cu.to(m.device), max(lengths)))[0]
+        hidden = final_hidden(m.model, *packed_row(seqs, m.device))[0]
         start = 0
         for (ctx, cont), n in zip(group, lengths):
             rows = torch.arange(start + len(ctx) - 1, start + n - 1, device=m.device)

@@ -11,8 +11,11 @@ hidden states as the document alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from crossdistill.models.attention import VARLEN, segment_kwargs
 
@@ -40,3 +43,21 @@ def final_hidden(
         input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
     )
     return out.last_hidden_state
+
+
+def packed_row(
+    parts: Sequence[Sequence[int] | np.ndarray], device: torch.device | str
+) -> tuple[Tensor, Tensor, tuple[Tensor, int]]:
+    """Token sequences packed into one row: ids `[1, N]`, positions `[1, N]` restarting at 0 for
+    each sequence, and their segments `(cu_seqlens [S + 1] int32, longest)` as `final_hidden`
+    takes them; attention never crosses two sequences (what a cache build, scoring and
+    benchmarks run on whole documents)."""
+    lengths = [len(p) for p in parts]
+    ids = torch.from_numpy(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts]))
+    pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths]))
+    cu = torch.from_numpy(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+    return (
+        ids.view(1, -1).to(device),
+        pos.view(1, -1).to(device),
+        (cu.to(device), max(lengths)),
+    )

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.distributed
 
 
 def build_worker(rank: int, cfg, folder: str) -> None:
-    from crossdistill.train.teacher_cache import build_cache
+    from crossdistill.train.cache_build import build_cache
 
     build_cache(cfg, {0: Path(folder)}, OPTS)
 
@@ -31,7 +31,7 @@ def train_worker(rank: int, cfg) -> None:
 
 def test_two_ranks_build_the_cache_one_process_builds(tmp_path, tokenizer_dir, real_tokenizer):
     from crossdistill.data.teacher_cache import SHARDS, CacheReader, DocTargets
-    from crossdistill.train.teacher_cache import build_cache
+    from crossdistill.train.cache_build import build_cache
 
     corpus = write_corpus(tmp_path / "data", real_tokenizer("gpt2"))
     checkpoints = {

@@ -21,9 +21,10 @@ from crossdistill.data.teacher_cache import (
 )
 from crossdistill.errors import UserError
 from crossdistill.models import build_causal_lm, load_tokenizer
+from crossdistill.train.cache_build import BuildOptions, build_cache, windows
 from crossdistill.train.loop import train
 from crossdistill.train.metrics import read_metrics
-from crossdistill.train.teacher_cache import BuildOptions, build_cache, inspect_cache, windows
+from crossdistill.train.teacher_cache import inspect_cache
 from tests.unit.test_train import _cfg as train_cfg
 
 OPTS = BuildOptions(quantization="none", progress=False)
@@ -305,7 +306,7 @@ def test_a_killed_build_resumes_and_ends_with_the_same_cache(
 ):
     cfg = _cfg(corpus, tmp_path / "run", tokenizer_dir, _teachers(checkpoints))
     small = dataclasses.replace(OPTS, batch_tokens=200, shard_bytes=1)  # a shard per forward
-    import crossdistill.train.teacher_cache as tc
+    import crossdistill.train.cache_build as tc
 
     real, calls = tc._run, {"n": 0}
 
