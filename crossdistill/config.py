@@ -40,6 +40,11 @@ ATTENTION_CHOICES: tuple[str, ...] = get_args(Attention)
 # what activation checkpointing recomputes
 CheckpointScope = Literal["block", "mlp", "selective"]
 CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
+# how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
+# in steps of 1/8 nat, or "none" (float32, exact)
+Quantization = Literal["int8", "none"]
+# where a teacher runs under torchrun: on the student's ranks, or on ranks of its own
+TeacherPlacement = Literal["colocated", "separate"]
 MISSING_REQUIRED = "???"
 
 
@@ -100,6 +105,15 @@ class TeacherConfig(ModelConfig):
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
     cache: str | None = None
+    # under torchrun: "colocated" runs the teacher on the student's ranks between its steps;
+    # "separate" runs it on `ranks` processes of its own (the last ones of the job, in teacher
+    # order; `parallel` lays it out over them), ahead of the student by
+    # train.teacher_prefetch steps, its targets sent to the student ranks that use them
+    placement: TeacherPlacement = "colocated"
+    ranks: int = 1
+    # how a separate teacher's targets travel: "none" (float32 log-probs, exact; about
+    # 8 x top_k bytes per student token) or "int8" (1/8-nat steps, as in a teacher cache)
+    payload: Quantization = "none"
 
 
 @dataclass
@@ -154,6 +168,10 @@ class TrainConfig:
     device: str = "auto"
     seed: int = 0
     loss_chunk_size: int = 1024
+    # separate teachers (teachers.N.placement): how many steps of targets they compute ahead
+    # of the student, and how long a student waits for targets before it ends the job
+    teacher_prefetch: int = 2
+    teacher_timeout_s: float = 600.0
     # the loss and the teachers' targets: "auto" = the fused Triton kernels on CUDA, "pytorch"
     # = the plain PyTorch code everywhere (a comparison, or a GPU without Triton support)
     loss_kernels: Literal["auto", "pytorch"] = "auto"

@@ -43,19 +43,20 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
+import torch
 
+from crossdistill.config import Quantization
 from crossdistill.errors import UserError
+from crossdistill.losses.payload import QUANT_SCALE, renormalise_top_k
 
 FORMAT = 1
 MAGIC = b"CDCACHE1"
 MANIFEST = "manifest.json"
 SHARDS = "shards"
 SHARD_SUFFIX = ".cdc"
-Quantization = Literal["int8", "none"]
-QUANT_SCALE = 8.0  # int8 top-k log-probs: steps of 1/8 nat
 _FOOTER_TAIL = struct.Struct("<Q8s")  # footer length, magic
 _ZSTD_LEVEL = 6
 
@@ -155,12 +156,9 @@ def decode_record(
         order = np.argsort(-lp, axis=1, kind="stable")
         top_ids = np.take_along_axis(sorted_ids, order, axis=1).astype(np.int32)
         top_lp = np.take_along_axis(lp, order, axis=1)
-        # renormalise each row with its tail (quantisation moved its sum off 1)
-        both = np.concatenate([top_lp, tail[:, None]], axis=1).astype(np.float64)
-        peak = both.max(axis=1, keepdims=True)
-        lse = (peak + np.log(np.exp(both - peak).sum(axis=1, keepdims=True))).astype(np.float32)
-        top_lp = top_lp - lse
-        tail = tail - lse[:, 0]
+        # each row renormalised with its tail, as a separate teacher's int8 payload is
+        lp_t, tail_t = renormalise_top_k(torch.from_numpy(top_lp), torch.from_numpy(tail))
+        top_lp, tail = lp_t.numpy(), tail_t.numpy()
     if at != raw_len:
         raise ValueError(f"record holds {raw_len} bytes, its layout {at}")
     return DocTargets(ids, text_bytes, next_lp, top_ids, top_lp, tail)

@@ -30,28 +30,51 @@ AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
 @dataclass(frozen=True)
 class DistEnv:
-    """What `torchrun` told this process: its rank, the world size, and the device it drives."""
+    """What `torchrun` told this process: its rank, the world size, and the device it drives.
+
+    A job with separate teachers (`teachers.N.placement: separate`) is split into roles: the
+    student's ranks, then each separate teacher's. `rank` and `world_size` are then this
+    process's within its role (its default process group spans its role only, so every layout
+    and collective of a role is the plain one), `role` is 0 for the student and i + 1 for the
+    i-th separate teacher, `global_rank` its rank in the whole job, and `link` the job-wide
+    point-to-point channel that carries targets between roles (`distributed.streams`)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     owns_group: bool = False  # this call started the process group (and ends it)
+    role: int = 0
+    global_rank: int = 0
+    role_sizes: tuple[int, ...] = ()  # ranks per role (student first); () without roles
+    link: Any = None
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and self.role == 0
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def job_size(self) -> int:
+        """Processes of the whole job, every role's."""
+        return sum(self.role_sizes) if self.role_sizes else self.world_size
 
-def init_distributed(device: str = "auto") -> DistEnv:
+    def role_start(self, role: int) -> int:
+        """The global rank of role `role`'s first process."""
+        return sum(self.role_sizes[:role])
+
+
+def init_distributed(device: str = "auto", separate: tuple[int, ...] = ()) -> DistEnv:
     """Join the job `torchrun` started (env vars `RANK`, `WORLD_SIZE`, `LOCAL_RANK`): nccl on
     CUDA, gloo on CPU; the process drives GPU `LOCAL_RANK`. A process group the caller started
     is joined as it is. A plain `python` run is one process: no process group, and `device`
-    as given ("auto", "cpu", "cuda", "cuda:1")."""
+    as given ("auto", "cpu", "cuda", "cuda:1").
+
+    `separate`: the ranks of each separate teacher, in teacher order; the job's last processes
+    go to them and the first to the student (see `DistEnv`)."""
     joined = torch.distributed.is_available() and torch.distributed.is_initialized()
     world = torch.distributed.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))
     wants_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
@@ -59,6 +82,15 @@ def init_distributed(device: str = "auto") -> DistEnv:
         raise UserError(
             f"train.device={device} but no CUDA device is visible; use train.device=cpu"
         )
+    if separate:
+        from crossdistill.distributed.streams import join_roles
+
+        if joined:
+            raise UserError(
+                "separate teachers split the job into roles when it starts; start the job with "
+                "torchrun (no process group of the caller's)"
+            )
+        return join_roles(world, separate, wants_cuda)
     if world == 1:
         return DistEnv(
             device=torch.device(
@@ -73,7 +105,8 @@ def init_distributed(device: str = "auto") -> DistEnv:
         torch.distributed.init_process_group(
             backend="nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None
         )
-    return DistEnv(torch.distributed.get_rank(), world, local, dev, owns_group=not joined)
+    rank = torch.distributed.get_rank()
+    return DistEnv(rank, world, local, dev, owns_group=not joined, global_rank=rank)
 
 
 @dataclass(frozen=True)

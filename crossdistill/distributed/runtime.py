@@ -30,6 +30,7 @@ from crossdistill.config import TeacherConfig
 from crossdistill.distributed import cp as cpmod
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.parallelize import model_hidden
+from crossdistill.distributed.streams import TargetStream
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import (
     KDTerm,
@@ -54,11 +55,13 @@ _MESHES: dict[tuple[int, ...], Any] = {}
 @dataclass
 class TeacherSlot:
     """A teacher with everything the step needs about it; `teacher` is None for one whose
-    targets the loader reads from a cache (`Batch.cached`)."""
+    targets the loader reads from a cache (`Batch.cached`) or that runs on ranks of its own
+    (`stream`: its targets arrive from there)."""
 
     teacher: Teacher | None
     cfg: TeacherConfig
-    projection: VocabProjection
+    projection: VocabProjection | None
+    stream: TargetStream | None = None
 
 
 def mesh_for(layout: ParallelLayout, device_type: str) -> Any:
@@ -91,13 +94,16 @@ def _to(x: Tensor, device: torch.device) -> Tensor:
 
 
 class Placement:
-    """The step laid out over the job's ranks (see module doc)."""
+    """The step laid out over the job's ranks (see module doc). `teachers[k]` is None for a
+    teacher that does not run in this process (a cached one, or a separate teacher on the
+    student's ranks); a separate teacher's own processes have no student (`student` None) and
+    read the data of their data-parallel coordinate in the teacher's layout."""
 
     def __init__(
         self,
         env: DistEnv,
-        student: Placed,
-        teachers: list[Placed],
+        student: Placed | None,
+        teachers: list[Placed | None],
         teacher_padding: TeacherPadding = "auto",
     ):
         self.env = env
@@ -105,9 +111,10 @@ class Placement:
         self.teachers = teachers
         self.device = env.device
         self.teacher_padding = teacher_padding
-        self.data_rank = student.rank("dp")
-        self.data_size = student.layout.dp
-        self.sources = [self._sources(t) for t in teachers]
+        reader = student or next(t for t in teachers if t is not None)
+        self.data_rank = reader.rank("dp")
+        self.data_size = reader.layout.dp
+        self.sources = [None if t is None else self._sources(t) for t in teachers]
 
     # ------------------------------------------------------------------ teachers
 
@@ -136,6 +143,8 @@ class Placement:
         for this rank's micro-batch `tb`, in `tb`'s padded coordinates. `fused`: as for
         `losses.teacher_targets`; `cached`: the targets the loader read from the teacher's
         cache (`data.batch.CachedTargets`), used as they are."""
+        if slot.stream is not None:
+            return slot.stream.receive(tb)
         if slot.teacher is None:
             if cached is None:
                 raise ValueError(f"teacher {slot.cfg.name} reads a cache but the batch has none")
@@ -279,6 +288,18 @@ class Placement:
 
 
 _FIELDS = ("topk_ids", "topk_logprobs", "tail_logprob", "next_logprobs", "next_valid")
+
+
+def streams_matched(slots: list[TeacherSlot]) -> Tensor | None:
+    """Whether every target payload separate teachers sent since the last call belonged to the
+    batch it was used for (a device bool; None without separate teachers). Read at a host sync
+    that happens anyway, before anything trains on them."""
+    flags = [
+        f for s in slots if s.stream is not None for f in [s.stream.take_matched()] if f is not None
+    ]
+    if not flags:
+        return None
+    return torch.stack(flags).all()
 
 
 def cached_of(batch: Any, k: int) -> Any:

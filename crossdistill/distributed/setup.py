@@ -28,38 +28,79 @@ def parallel_config(model: ModelConfig) -> ParallelConfig:
 class RunLayouts:
     student: ParallelLayout
     teachers: list[ParallelLayout]
+    separate: list[bool]  # per teacher: on ranks of its own (teachers.N.placement)
 
 
 def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> RunLayouts:
-    """Every model's layout, checked against the world size, the model's heads and the
-    sequence lengths: a layout that cannot work is refused here, naming the rule it breaks."""
-    student = ParallelLayout.from_config(parallel_config(cfg.student), world_size, "student")
+    """Every model's layout, checked against the job's processes (`world_size`: all of them,
+    every role's), the model's heads and the sequence lengths: a layout that cannot work is
+    refused here, naming the rule it breaks. The student and colocated teachers span the
+    processes separate teachers leave; a separate teacher spans its `ranks`."""
+    separate = [t.placement == "separate" for t in cfg.teachers]
+    own = sum(t.ranks for t, s in zip(cfg.teachers, separate) if s)
+    student_ranks = world_size - own
+    student = ParallelLayout.from_config(parallel_config(cfg.student), student_ranks, "student")
     student.check_model(hf_s)
     student.check_sequence(cfg.data.seq_len, "data.seq_len")
     teachers = []
     for i, (tcfg, hf) in enumerate(zip(cfg.teachers, hf_t)):
-        layout = ParallelLayout.from_config(parallel_config(tcfg), world_size, f"teachers.{i}")
+        ranks = tcfg.ranks if separate[i] else student_ranks
+        layout = ParallelLayout.from_config(parallel_config(tcfg), ranks, f"teachers.{i}")
         layout.check_model(hf)
         # teacher rows are padded to a multiple of data.pad_multiple
         layout.check_sequence(cfg.data.pad_multiple, "data.pad_multiple")
-        if tcfg.offload and world_size > 1:
+        if tcfg.offload and student_ranks > 1:
             raise UserError(
                 f"teachers.{i}.offload parks a whole teacher on the CPU, which a job of several "
                 "processes does not do; shard the teacher instead (teachers.N.parallel)"
             )
+        if separate[i] and student.dp % layout.dp:
+            raise UserError(
+                f"teachers.{i}: its {layout.dp} data-parallel groups must divide the student's "
+                f"{student.dp} data ranks (each group serves whole data ranks); choose "
+                f"teachers.{i}.parallel so that dp_replicate x dp_shard divides {student.dp}"
+            )
         teachers.append(layout)
-    return RunLayouts(student, teachers)
+    return RunLayouts(student, teachers, separate)
 
 
 def build_placement(
     env: DistEnv, layouts: RunLayouts, teacher_padding: TeacherPadding = "auto"
 ) -> Placement:
-    """Meshes for every layout (shared between equal layouts; none for one rank) and the
-    step's placement."""
+    """Meshes for every layout this process takes part in (shared between equal layouts; none
+    for one rank) and the step's placement. The student's processes hold the student and the
+    colocated teachers; a separate teacher's processes hold that teacher alone."""
     kind = env.device.type
-    student = Placed(layouts.student, mesh_for(layouts.student, kind))
-    teachers = [Placed(t, mesh_for(t, kind)) for t in layouts.teachers]
-    return Placement(env, student, teachers, teacher_padding)
+    if env.role == 0:
+        student = Placed(layouts.student, mesh_for(layouts.student, kind))
+        teachers = [
+            None if sep else Placed(t, mesh_for(t, kind))
+            for t, sep in zip(layouts.teachers, layouts.separate)
+        ]
+        return Placement(env, student, teachers, teacher_padding)
+    k = separate_index(layouts.separate, env.role)
+    teachers: list[Placed | None] = [None] * len(layouts.teachers)
+    teachers[k] = Placed(layouts.teachers[k], mesh_for(layouts.teachers[k], kind))
+    return Placement(env, None, teachers, teacher_padding)
+
+
+def separate_index(separate: list[bool], role: int) -> int:
+    """The teacher index of role `role` (role i + 1: the i-th separate teacher)."""
+    return [k for k, sep in enumerate(separate) if sep][role - 1]
+
+
+def teacher_model(cfg: Config, k: int, placed: Placed, device: torch.device) -> nn.Module:
+    """Teacher `k` in its layout, frozen."""
+    t = cfg.teachers[k]
+    return build_parallel_model(
+        t,
+        placed.layout,
+        placed.mesh,
+        device,
+        trainable=False,
+        seed=cfg.train.seed + 1,
+        compile_blocks=bool(getattr(t, "compile", False)),
+    )
 
 
 def parallel_models(
@@ -68,7 +109,8 @@ def parallel_models(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, list[nn.Module | None], dict[str, torch.Tensor]]:
-    """The student and every teacher (None for one read from a cache), each in its layout; plus the student's fused-row orders
+    """The student and every teacher (None for one read from a cache or running on ranks of its
+    own), each in its layout; plus the student's fused-row orders
     (needed to export and checkpoint it under tensor parallelism). `reshard_after_forward`
     and `param_dtype` are for the student's FSDP (see `parallelize_model`); on CUDA the step
     computes under bf16 autocast, so by default FSDP gathers the student's parameters in bf16
@@ -92,18 +134,8 @@ def parallel_models(
         param_dtype=param_dtype,
     )
     teachers = [
-        None  # read from its cache: no model
-        if t.cache is not None
-        else build_parallel_model(
-            t,
-            placed.layout,
-            placed.mesh,
-            dev,
-            trainable=False,
-            seed=cfg.train.seed + 1,
-            compile_blocks=bool(getattr(t, "compile", False)),
-        )
-        for t, placed in zip(cfg.teachers, placement.teachers)
+        None if placed is None or t.cache is not None else teacher_model(cfg, k, placed, dev)
+        for k, (t, placed) in enumerate(zip(cfg.teachers, placement.teachers))
     ]
     fused = fused_params(student, student.config, placement.student.layout.tp)
     return student, teachers, fused

@@ -82,41 +82,68 @@ def _padded(
     )
 
 
-def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
-    """Tokenizers, projections, models, optimizer and loaders for `cfg`, every model in its
-    layout over the job's ranks (`env`; default: this process's, as `init_distributed` finds
-    it: one rank outside `torchrun`), loaded shard by shard."""
-    from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
+@dataclass
+class RunPlan:
+    """What every process of a run settles first, whatever its role: the checked config's
+    models, every layout, tokenizers, this process's placement, the teacher caches."""
 
-    env = env or init_distributed(cfg.train.device)
+    resolved_s: Any
+    resolved_t: list[Any]
+    layouts: Any
+    tok_s: Any
+    toks_t: list[Any]
+    placement: Placement
+    caches: list[Any]
+
+    def loaders(self, cfg: Config, data_rank: int, data_size: int) -> tuple[Any, Any]:
+        """Train and validation loaders of data rank `data_rank` of `data_size`."""
+        return build_loaders(cfg, self.tok_s, self.toks_t, data_rank, data_size, self.caches)
+
+
+def plan_run(cfg: Config, env: DistEnv) -> RunPlan:
+    """Config checks, layouts (refused before anything loads), tokenizers, meshes, caches."""
+    from crossdistill.distributed.setup import build_placement, plan_layouts
+
     resolved_s, resolved_t = validate_config(cfg)
     layouts = plan_layouts(
-        cfg, env.world_size, resolved_s.hf_config, [r.hf_config for r in resolved_t]
+        cfg, env.job_size, resolved_s.hf_config, [r.hf_config for r in resolved_t]
     )
-    device = env.device
     tok_s = load_tokenizer(resolved_s.tokenizer_spec)
     toks_t = [load_tokenizer(r.tokenizer_spec) for r in resolved_t]
     check_vocab(resolved_s, tok_s)
     for r, tok in zip(resolved_t, toks_t):
         check_vocab(r, tok)
-    rows_s = resolved_s.hf_config.vocab_size
-    projections = [
-        build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
-        for t, tok, r in zip(cfg.teachers, toks_t, resolved_t)
-    ]
     placement = build_placement(env, layouts, cfg.train.teacher_padding)
     caches = [
         None if t.cache is None else open_cache(t, i, cfg, tok)
         for i, (t, tok) in enumerate(zip(cfg.teachers, toks_t))
     ]
     check_coverage(cfg, caches)
-    train_loader, val_loader = _loaders(
-        cfg, tok_s, toks_t, placement.data_rank, placement.data_size, caches
-    )
+    return RunPlan(resolved_s, resolved_t, layouts, tok_s, toks_t, placement, caches)
+
+
+def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
+    """Tokenizers, projections, models, optimizer and loaders for `cfg`, every model in its
+    layout over the job's ranks (`env`; default: this process's, as `init_distributed` finds
+    it: one rank outside `torchrun`), loaded shard by shard."""
+    from crossdistill.distributed.setup import parallel_models
+
+    env = env or init_distributed(cfg.train.device)
+    run = plan_run(cfg, env)
+    device, placement, tok_s, toks_t = env.device, run.placement, run.tok_s, run.toks_t
+    rows_s = run.resolved_s.hf_config.vocab_size
+    projections = [
+        build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
+        for t, tok, r in zip(cfg.teachers, toks_t, run.resolved_t)
+    ]
+    train_loader, val_loader = run.loaders(cfg, placement.data_rank, placement.data_size)
     student, models_t, fused = parallel_models(cfg, placement)
+    streams = target_streams(cfg, env, run.layouts, placement.data_rank, run.resolved_t)
     slots = [
-        TeacherSlot(None if model is None else Teacher(model, t.name, offload=t.offload), t, proj)
-        for t, model, proj in zip(cfg.teachers, models_t, projections)
+        TeacherSlot(
+            None if model is None else Teacher(model, t.name, offload=t.offload), t, proj, stream
+        )
+        for t, model, proj, stream in zip(cfg.teachers, models_t, projections, streams)
     ]
     optimizer = build_optimizer(student, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -137,7 +164,27 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
     )
 
 
-def _loaders(
+def target_streams(
+    cfg: Config, env: DistEnv, layouts: Any, data_rank: int, resolved_t: list[Any]
+) -> list[Any]:
+    """Per teacher, the student's end of its target stream (None for a colocated teacher)."""
+    from crossdistill.distributed.streams import TargetStream, teacher_source
+
+    out: list[Any] = []
+    role = 0
+    for k, t in enumerate(cfg.teachers):
+        if not layouts.separate[k]:
+            out.append(None)
+            continue
+        role += 1
+        source = teacher_source(data_rank, layouts.teachers[k], env.role_start(role))
+        top_k = min(t.top_k, resolved_t[k].hf_config.vocab_size)  # as the teacher computes it
+        timeout = cfg.train.teacher_timeout_s
+        out.append(TargetStream(env.link, t.name, source, top_k, t.payload, t.temperature, timeout))
+    return out
+
+
+def build_loaders(
     cfg: Config, tok_s, toks_t, rank: int, world_size: int, caches: list | None = None
 ) -> tuple[Any, Any]:
     """Train and validation loaders of this data-parallel rank (`caches`: per teacher, where

@@ -541,6 +541,16 @@ def _try_load(
     return None, reason or "shards of another rank did not load"
 
 
+def found_at(run_dir: str | Path, step: int) -> Found:
+    """The complete checkpoint of `step` in `run_dir`, its JSON state only (what a process
+    without the student's weights needs: the data ranks' loader states)."""
+    folder = Path(run_dir) / CHECKPOINTS_DIR / _dir_name(step)
+    meta = _read_meta(folder, step)
+    if isinstance(meta, str):
+        raise UserError(f"checkpoint {folder} cannot be read: {meta}")
+    return Found(step, folder, meta["state"])
+
+
 def load_checkpoint(
     folder: str | Path,
     sharded: Mapping[str, Any] | None = None,

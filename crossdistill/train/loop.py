@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ import torch
 from crossdistill.config import Config, save_config
 from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.layout import DistEnv, init_distributed
+from crossdistill.distributed.runtime import streams_matched
+from crossdistill.distributed.streams import announce_start, separate_ranks
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.checkpoint import (
@@ -47,10 +50,19 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     would be due or not, exactly as a killed job would (for time-sliced schedulers: resume
     with `resume=True`). Under `torchrun`, every process calls this; rank 0 returns the
     metrics, the other ranks an empty dict (so that the job reports them once)."""
-    env = init_distributed(cfg.train.device)
+    env = init_distributed(cfg.train.device, separate_ranks(cfg, job_size()))
     try:
+        if env.role > 0:  # a separate teacher's process: it serves the student its targets
+            from crossdistill.train.serve import serve_teacher
+
+            serve_teacher(cfg, env, resume, stop_after)
+            return {}
         final = _train(cfg, env, resume, stop_after)
         return final if env.is_main else {}
+    except BaseException:
+        if env.link is not None:
+            env.link.abort()  # transfers in flight must not keep the process from ending
+        raise
     finally:
         if env.owns_group:
             torch.distributed.destroy_process_group()
@@ -69,6 +81,7 @@ def _train(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> d
     if env.is_main:
         save_config(cfg, run_dir / "config.json")
     start_step = _restore(c, run_dir) if resume else None
+    announce_start(env, start_step or 0, cfg.train.teacher_timeout_s)
     settings = StepSettings.of(cfg.train, c.device)
     logger = _logger(cfg, env, run_dir, start_step)
     saver = Checkpointer(run_dir, cfg.train.keep_last, cfg.train.checkpoint_in_background)
@@ -95,17 +108,30 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
             )
         batches = iter(c.train_loader)
         t_last, tokens = time.perf_counter(), 0
+        waited_last = _target_wait(c.slots) or 0.0
         for step in range(start_step, cfg.train.steps):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
             metrics = train_step(c.student, c.slots, window, settings, c.placement)
             grad_norm = clip_grad_norm_(c.student.parameters(), cfg.optim.grad_clip)
-            if not bool(torch.isfinite(metrics["loss"]) & torch.isfinite(grad_norm)):
-                # one host sync per step, outside the loss: a non-finite step is skipped
+            finite, matched = _verdict(metrics["loss"], grad_norm, c.slots)  # one host sync
+            if not matched:
+                raise UserError(
+                    f"step {step + 1}: a separate teacher sent the targets of another batch; its "
+                    "processes and the student's must read the same config and data (nothing "
+                    "was trained on them; the last checkpoint is intact)"
+                )
+            done = step + 1
+            if finite:
+                skipped = 0
+                c.optimizer.step()
+                c.scheduler.step()
+                c.optimizer.zero_grad(set_to_none=True)
+            else:  # a non-finite step is skipped: no update, no log line, no checkpoint
                 c.optimizer.zero_grad(set_to_none=True)
                 skipped += 1
                 logger.write(
-                    f"step {step + 1}: non-finite loss or gradient, step skipped ({skipped} in a row)"
+                    f"step {done}: non-finite loss or gradient, step skipped ({skipped} in a row)"
                 )
                 if skipped >= cfg.train.max_consecutive_skips:
                     raise UserError(
@@ -113,32 +139,53 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                         "Lower optim.lr, raise train.grad_accum, or check the data; the last "
                         "checkpoint is intact"
                     )
-                continue
-            skipped = 0
-            c.optimizer.step()
-            c.scheduler.step()
-            c.optimizer.zero_grad(set_to_none=True)
-            done = step + 1
-            if done % cfg.train.log_every == 0 or done == cfg.train.steps:
+            if finite and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
                 now = time.perf_counter()
+                waited = _target_wait(c.slots)
                 metrics.update(
                     grad_norm=grad_norm,
                     lr=c.scheduler.get_last_lr()[0],
                     tokens_per_s=_all_tokens(c, tokens) / max(now - t_last, 1e-9),
                 )
+                if waited is not None:  # share of the time spent waiting for streamed targets
+                    metrics["target_wait"] = (waited - waited_last) / max(now - t_last, 1e-9)
+                    waited_last = waited
                 logger.log(done, metrics)
                 t_last, tokens = now, 0
             if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
                 final = evaluate(c, cfg)
                 final.update(eval_tasks(c, cfg))
                 logger.log(done, final)
-            if done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps:
+            if finite and (done % cfg.train.checkpoint_every == 0 or done == cfg.train.steps):
                 _save(c, done, saver)
             if stop_after is not None and done - start_step >= stop_after:
                 return final
     saver.wait()  # the checkpoint group's collectives: the background save's first, then ours
     export_hf(c.student, c.tok_s, run_dir / "final", c.fused)
     return final
+
+
+def job_size() -> int:
+    """The processes of this job (torchrun's WORLD_SIZE, or the caller's process group)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _verdict(loss: torch.Tensor, grad_norm: torch.Tensor, slots) -> tuple[bool, bool]:
+    """(loss and gradient finite, every streamed target belonged to its batch), read in one
+    host sync."""
+    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+    matched = streams_matched(slots)
+    flags = torch.stack([finite, finite if matched is None else matched.to(finite.device)])
+    finite_ok, matched_ok = flags.tolist()
+    return bool(finite_ok), bool(matched_ok)
+
+
+def _target_wait(slots) -> float | None:
+    """Seconds this process has waited for separate teachers' targets (None without any)."""
+    waits = [s.stream.wait_s for s in slots if s.stream is not None]
+    return sum(waits) if waits else None
 
 
 def eval_tasks(c, cfg: Config) -> dict[str, float]:

@@ -159,7 +159,25 @@ def _check_scalars(cfg: Config) -> None:
                 teacher.loss != "skew_kl" or 0.0 <= teacher.alpha < 1.0,
                 f"teachers.{i}.alpha must be in [0, 1) for skew_kl, got {teacher.alpha}",
             ),
+            (teacher.ranks >= 1, f"teachers.{i}.ranks must be >= 1, got {teacher.ranks}"),
+            (
+                teacher.placement == "colocated" or teacher.cache is None,
+                f"teachers.{i} reads its targets from a cache, which runs no model: drop "
+                f"teachers.{i}.placement=separate or teachers.{i}.cache",
+            ),
+            (
+                teacher.placement == "colocated" or not teacher.offload,
+                f"teachers.{i}.offload parks a colocated teacher on the CPU between steps; a "
+                f"separate teacher has its own devices: drop teachers.{i}.offload",
+            ),
         ]
+    rules += [
+        (t.teacher_prefetch >= 1, f"train.teacher_prefetch must be >= 1, got {t.teacher_prefetch}"),
+        (
+            t.teacher_timeout_s > 0,
+            f"train.teacher_timeout_s must be > 0, got {t.teacher_timeout_s}",
+        ),
+    ]
     if cfg.teachers and t.kd_ratio > 0 and sum(x.weight for x in cfg.teachers) <= 0:
         rules.append((False, "all teacher weights are 0 while train.kd_ratio > 0"))
     for ok, message in rules:

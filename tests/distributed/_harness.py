@@ -38,33 +38,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Any, args: tuple, errors: str) -> None:
+def _entry(
+    rank: int, world: int, port: int, fn: Any, args: tuple, errors: str, group: bool
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if group:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, *args)
     except BaseException:
         Path(errors, f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
-        dist.destroy_process_group()
+        if group:
+            dist.destroy_process_group()
 
 
-def spawn(fn: Any, world: int, *args: Any, errors: Path) -> None:
+def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> None:
     """Run `fn(rank, *args)` in `world` gloo processes (a fresh free port); a worker's
-    traceback is re-raised here."""
+    traceback is re-raised here. `group=False`: the workers start with torchrun's environment
+    but no process group (as `crossdistill train` under torchrun does)."""
     import torch.multiprocessing as mp
 
     errors.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_entry, args=(world, free_port(), fn, args, str(errors)), nprocs=world)
+        mp.spawn(_entry, args=(world, free_port(), fn, args, str(errors), group), nprocs=world)
     except Exception as e:
         found = sorted(errors.glob("rank*.txt"))
         detail = "\n".join(p.read_text() for p in found)

@@ -1,0 +1,323 @@
+"""Separate teachers: a `torchrun` job split into roles, and the targets streamed between them.
+
+With `teachers.N.placement: separate`, the job's processes are cut into roles: the first go to
+the student, then each separate teacher gets `teachers.N.ranks` of its own. Each role has its
+own default process group (`init_process_group` over a prefix of the job's store), so the
+student's layouts, collectives and checkpoints are those of a plain job of its size, and a
+teacher's layout (`teachers.N.parallel`) spans its ranks only. One more group over the whole
+job, the link, carries point-to-point traffic between roles: NCCL where every process has a
+GPU of its own, else gloo (buffers staged through host memory, e.g. processes sharing a GPU).
+
+Who talks to whom. A teacher's data-parallel group j (its ranks that run one forward together)
+serves the student's data ranks d with d mod dp_t = j: it reads the same global batches as they
+do (its own loaders, the same config, the same order), computes each micro-batch's targets and
+its group's first rank sends them to every student rank of data rank d (tensor- and context-
+parallel ranks of one data rank each take a copy). A teacher runs ahead of the student by at
+most `train.teacher_prefetch` steps: before it computes step n it waits until the student has
+received step n − prefetch.
+
+Each payload (`losses.payload`) starts with the batch's id: a sequence number and a checksum of
+the teacher inputs the sender read; the receiver compares it with its own copy of the batch on
+the device (no host sync) and the training loop reads the verdict at the step's one host sync,
+before the optimizer steps: a student never trains on another batch's targets. A peer that dies
+or stalls ends the job after `train.teacher_timeout_s` with one line naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import time
+from collections import deque
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from crossdistill.config import Config, Quantization
+from crossdistill.distributed.layout import DistEnv, ParallelLayout
+from crossdistill.errors import UserError
+from crossdistill.losses import TeacherTargets, kd_positions
+from crossdistill.losses.payload import batch_id, pack_targets, payload_nbytes, unpack_targets
+
+_POLL_S = 2e-4
+_LINK_TIMEOUT = datetime.timedelta(hours=24)  # the streams enforce their own deadlines
+
+
+def separate_ranks(cfg: Config, world_size: int) -> tuple[int, ...]:
+    """The ranks of each separate teacher, in teacher order (empty when every teacher is
+    colocated); refuses a split the job cannot make, naming the numbers."""
+    sizes = tuple(t.ranks for t in cfg.teachers if t.placement == "separate")
+    if not sizes:
+        return ()
+    names = [
+        f"teachers.{i}.ranks = {t.ranks}"
+        for i, t in enumerate(cfg.teachers)
+        if t.placement == "separate"
+    ]
+    if world_size == 1:
+        raise UserError(
+            f"{', '.join(names)}: a separate teacher runs in processes of its own; start the "
+            f"job with torchrun --nproc_per_node {1 + sum(sizes)} or more (the student takes "
+            "the rest), or set teachers.N.placement=colocated"
+        )
+    if sum(sizes) >= world_size:
+        raise UserError(
+            f"{' + '.join(names)} take {sum(sizes)} of the job's {world_size} processes and "
+            f"leave none for the student; start at least {sum(sizes) + 1} processes or lower "
+            "teachers.N.ranks"
+        )
+    return sizes
+
+
+def join_roles(world: int, separate: tuple[int, ...], wants_cuda: bool) -> DistEnv:
+    """This process's role, its role's process group and the job-wide link (see module doc)."""
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    sizes = (world - sum(separate), *separate)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    role = max(i for i, s in enumerate(starts) if s <= rank)
+    role_rank = rank - starts[role]
+    dev, staged = torch.device("cpu"), False
+    if wants_cuda:
+        count = torch.cuda.device_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+        if local_world > count and max(sizes) > count:
+            raise UserError(
+                f"a role of {max(sizes)} processes needs as many GPUs, and this machine has "
+                f"{count}; lower the student's or the teachers' ranks"
+            )
+        dev = torch.device("cuda", local % count)
+        torch.cuda.set_device(dev)
+        staged = local_world > count  # processes share GPUs: NCCL refuses such a group
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world))
+    backend = "nccl" if wants_cuda else "gloo"
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"crossdistill/role{role}", store),
+        rank=role_rank,
+        world_size=sizes[role],
+        device_id=dev if wants_cuda else None,
+    )
+    link_store = dist.PrefixStore("crossdistill/link", store)
+    if wants_cuda and not staged:
+        group: Any = dist.ProcessGroupNCCL(link_store, rank, world, dist.ProcessGroupNCCL.Options())
+    else:
+        group = dist.ProcessGroupGloo(link_store, rank, world, _LINK_TIMEOUT)
+    link = Link(group, dev, staged=wants_cuda and staged)
+    return DistEnv(role_rank, sizes[role], local, dev, True, role, rank, sizes, link)
+
+
+class Link:
+    """Point-to-point transfers of byte buffers between the job's processes (global ranks)."""
+
+    def __init__(self, group: Any, device: torch.device, staged: bool):
+        self.group = group
+        self.device = device
+        self.staged = staged  # gloo between GPU processes: through host memory
+        self.gloo = isinstance(group, dist.ProcessGroupGloo)
+
+    def _work(self, work: Any) -> Any:
+        return _GlooWork(work) if self.gloo else work
+
+    def isend(self, buf: Tensor, dst: int, who: str) -> tuple[Any, Tensor]:
+        """Start sending `buf` to `dst`: (work, the buffer to keep alive until it completes)."""
+        if self.staged:
+            buf = buf.cpu()
+        with _failure(who):
+            return self._work(self.group.send([buf], dst, 0)), buf
+
+    def recv(self, nbytes: int, src: int, deadline: float, who: str) -> Tensor:
+        """`nbytes` from `src`, waiting until `deadline` (time.monotonic); on this process's
+        device."""
+        host = self.staged or self.device.type == "cpu"
+        buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if host else self.device)
+        with _failure(who):
+            work = self._work(self.group.recv([buf], src, 0))
+        wait(work, deadline, who)
+        return buf.to(self.device, non_blocking=True) if self.staged else buf
+
+    def abort(self) -> None:
+        """Drop the link's pending transfers (a job that ends on an error must not hang)."""
+        with_abort = getattr(self.group, "abort", None)
+        if callable(with_abort):
+            with contextlib.suppress(Exception):  # best effort: the job ends anyway
+                with_abort()
+
+
+def wait(work: Any, deadline: float, who: str) -> None:
+    """Wait for `work` until `deadline`; a peer that died or stalls is one `UserError`. NCCL
+    work is polled (its `wait` only orders streams); gloo work completes inside its own `wait`,
+    which takes the time left."""
+    if isinstance(work, _GlooWork):
+        work = work.work
+        left = max(deadline - time.monotonic(), 0.001)
+    else:
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                raise UserError(f"{who}: nothing arrived before the deadline; {_HINT}")
+            time.sleep(_POLL_S)
+        left = None
+    with _failure(who):
+        if left is None:
+            work.wait()  # the current stream waits for the transfer
+        else:
+            work.wait(datetime.timedelta(seconds=left))
+
+
+@contextlib.contextmanager
+def _failure(who: str):
+    """A transport error (the peer's connection closed, a timeout) as one `UserError`."""
+    try:
+        yield
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if "imed out" in first or "imeout" in first:
+            raise UserError(f"{who}: nothing arrived before the deadline; {_HINT}") from None
+        raise UserError(f"{who}: the transfer failed ({first[:200]}); {_HINT}") from None
+
+
+class _GlooWork:
+    """A gloo transfer (waited on with a timeout rather than polled)."""
+
+    def __init__(self, work: Any):
+        self.work = work
+
+
+_HINT = (
+    "the other side died or stalls: see its log (torchrun prints each rank's error); the wait "
+    "is train.teacher_timeout_s"
+)
+
+
+def student_ranks_of(data_rank: int, student: ParallelLayout) -> list[int]:
+    """Global ranks of the student's data rank `data_rank` (the student's role comes first)."""
+    width = student.cp * student.tp
+    return list(range(data_rank * width, (data_rank + 1) * width))
+
+
+def teacher_source(data_rank: int, teacher: ParallelLayout, start: int) -> int:
+    """Global rank of the teacher process that sends data rank `data_rank`'s targets."""
+    width = teacher.cp * teacher.tp
+    return start + (data_rank % teacher.dp) * width
+
+
+class TargetStream:
+    """The student's end of one separate teacher: targets of this rank's micro-batches, in
+    the order the loop asks for them."""
+
+    def __init__(
+        self,
+        link: Link,
+        name: str,
+        source: int,
+        top_k: int,
+        quantization: Quantization,
+        temperature: float,
+        timeout_s: float,
+    ):
+        self.link = link
+        self.name = name
+        self.source = source
+        self.top_k = top_k
+        self.quantization = quantization
+        self.temperature = temperature
+        self.timeout_s = timeout_s
+        self.seq = 0
+        self.matched: Tensor | None = None  # on the device: every id so far was the expected one
+        self.wait_s = 0.0  # host time spent waiting for targets
+
+    def receive(self, tb: Any) -> TeacherTargets:
+        """Targets of teacher batch `tb` (this rank's next micro-batch)."""
+        m = kd_positions(tb.chunks)[1].shape[0]
+        n = tb.labels.numel()
+        expected = batch_id(self.seq, tb.input_ids, tb.labels)
+        who = f"teacher {self.name!r} (rank {self.source} of the job), batch {self.seq}"
+        self.seq += 1
+        start = time.monotonic()
+        nbytes = payload_nbytes(m, self.top_k, n, self.quantization)
+        buf = self.link.recv(nbytes, self.source, start + self.timeout_s, who)
+        self.wait_s += time.monotonic() - start
+        header, targets = unpack_targets(buf, m, self.top_k, n, self.quantization, self.temperature)
+        targets.topk_ids = targets.topk_ids.long()
+        same = (header == expected.to(header.device, non_blocking=True)).all()
+        self.matched = same if self.matched is None else self.matched & same
+        return targets
+
+    def take_matched(self) -> Tensor | None:
+        """Whether every payload since the last call carried the expected batch id (a device
+        bool; None when none arrived)."""
+        out, self.matched = self.matched, None
+        return out
+
+
+class TargetSender:
+    """A separate teacher's end: sends each micro-batch's targets to the student ranks of the
+    data rank it belongs to, at most `depth` steps ahead of the student."""
+
+    def __init__(
+        self,
+        link: Link,
+        name: str,
+        destinations: dict[int, list[int]],
+        quantization: Quantization,
+        depth: int,
+        timeout_s: float,
+    ):
+        self.link = link
+        self.name = name
+        self.destinations = destinations  # data rank -> global student ranks
+        self.quantization = quantization
+        self.depth = depth
+        self.timeout_s = timeout_s
+        self.seq = dict.fromkeys(destinations, 0)
+        self.steps: deque[list[tuple[Any, Tensor, str]]] = deque([[]])
+        self.sent_bytes = 0
+
+    def send(self, data_rank: int, tb: Any, targets: TeacherTargets) -> None:
+        header = batch_id(self.seq[data_rank], tb.input_ids, tb.labels)
+        buf = pack_targets(targets, header, self.quantization)
+        for dst in self.destinations[data_rank]:
+            who = f"student rank {dst} of the job, receiving teacher {self.name!r}'s targets"
+            work, kept = self.link.isend(buf, dst, who)
+            self.steps[-1].append((work, kept, who))
+            self.sent_bytes += buf.numel()
+        self.seq[data_rank] += 1
+
+    def step_done(self) -> None:
+        """Close this step's sends; wait while more than `depth` steps are unreceived."""
+        self.steps.append([])
+        while len(self.steps) > self.depth + 1:
+            self._drain(self.steps.popleft())
+
+    def flush(self) -> None:
+        """Wait until the student has received everything sent."""
+        while self.steps:
+            self._drain(self.steps.popleft())
+        self.steps.append([])
+
+    def _drain(self, sends: list[tuple[Any, Tensor, str]]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        for work, _, who in sends:
+            wait(work, deadline, who)
+
+
+def announce_start(env: DistEnv, step: int, timeout_s: float) -> None:
+    """The student's first rank tells every separate teacher's process the step it starts at
+    (0, or the checkpoint's it resumed)."""
+    if env.role != 0 or env.rank != 0 or env.link is None:
+        return
+    value = torch.tensor([step], dtype=torch.int64, device=env.link.device).view(torch.uint8)
+    who = "a separate teacher's process, receiving the start step"
+    teachers = range(env.role_sizes[0], sum(env.role_sizes))
+    sends = [env.link.isend(value, dst, who) for dst in teachers]
+    deadline = time.monotonic() + timeout_s
+    for work, _ in sends:
+        wait(work, deadline, who)
+
+
+def await_start(env: DistEnv, timeout_s: float) -> int:
+    """A separate teacher's process: the step the student starts at (see `announce_start`)."""
+    buf = env.link.recv(8, 0, time.monotonic() + timeout_s, "the student's first rank (start step)")
+    return int(buf.view(torch.int64)[0])

@@ -1,0 +1,274 @@
+"""Separate teachers on CPU: gloo processes running `train()` as torchrun starts it, against the
+same run with every teacher colocated.
+
+The scenario of `_harness` (tiny Llama student, a Qwen3 teacher on forward-KL top-k targets
+and a Phi-3 teacher on chunk likelihood, three real tokenizers), 4 steps of 2 micro-batches,
+validation and checkpoints every 2 steps. A separate teacher's run must give the colocated
+run's per-step loss and held-out metrics to 1e-5 (float32): with one student process, with a
+student of two data ranks served by one teacher process, with both teachers separate, and
+after the run is stopped at step 2 and resumed. A teacher that dies ends the student with one
+line naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import _harness as h
+
+pytestmark = pytest.mark.distributed
+REL = 1e-5
+STEPS = 4
+
+
+def _train_worker(rank: int, cfg, stop_after) -> None:
+    from crossdistill.train.loop import train
+
+    train(cfg, resume=stop_after is None and _has_checkpoints(cfg), stop_after=stop_after)
+
+
+def _has_checkpoints(cfg) -> bool:
+    return any(Path(cfg.run.out_dir, "checkpoints").glob("step_*"))
+
+
+def _run(cfg, processes: int, errors: Path, stop_after=None) -> None:
+    h.spawn(_train_worker, processes, cfg, stop_after, errors=errors, group=False)
+
+
+def _metrics(run: Path) -> dict[int, dict[str, float]]:
+    out: dict[int, dict[str, float]] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        out.setdefault(record["step"], {}).update(
+            {k: v for k, v in record.items() if isinstance(v, float) and "per_s" not in k}
+        )
+    return out
+
+
+def _assert_same(got: dict, ref: dict, where: str) -> None:
+    assert sorted(got) == sorted(ref), where
+    for step, values in ref.items():
+        for key, value in values.items():
+            if key in ("lr", "target_wait") or key.startswith("time"):
+                continue
+            assert key in got[step], (where, step, key)
+            assert abs(got[step][key] - value) <= REL * max(abs(value), 1e-6), (
+                where,
+                step,
+                key,
+                got[step][key],
+                value,
+            )
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory, tokenizer_dir):
+    from crossdistill.alignment.projection import build_projection
+    from crossdistill.models import load_tokenizer
+
+    root = tmp_path_factory.mktemp("streams")
+    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
+    cfg = h.scenario_config(toks, h.write_corpus(root / "data"), root / "run")
+    tok_s = load_tokenizer(cfg.student.tokenizer)
+    for t in cfg.teachers:
+        t.projection = str(root / f"{t.name}.projection.safetensors")
+        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
+    cfg.train.steps, cfg.train.grad_accum = STEPS, 2
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.log_every = 2, 2, 1
+    cfg.train.checkpoint_every = 2
+    cfg.train.teacher_timeout_s = 120.0
+    return root, cfg
+
+
+def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "none"):
+    root, cfg = base
+    c = copy.deepcopy(cfg)
+    c.run.out_dir = str(root / name)
+    for t in c.teachers:
+        if t.name in separate:
+            t.placement, t.payload = "separate", payload
+    return c
+
+
+@pytest.fixture(scope="module")
+def runs(base):
+    """Every run once (each is a few seconds of training and a process start per rank)."""
+    root, _ = base
+    out = {}
+    colocated = _variant(base, "colocated")
+    _run(colocated, 1, root / "e1")
+    out["colocated"] = _metrics(Path(colocated.run.out_dir))
+    one = _variant(base, "qwen-separate", ("qwen",))
+    _run(one, 2, root / "e2")
+    out["qwen-separate"] = _metrics(Path(one.run.out_dir))
+    both = _variant(base, "both-separate", ("qwen", "phi"))
+    _run(both, 3, root / "e3")
+    out["both-separate"] = _metrics(Path(both.run.out_dir))
+    resumed = _variant(base, "resumed", ("qwen",))
+    _run(resumed, 2, root / "e4", stop_after=2)
+    out["stopped"] = _metrics(Path(resumed.run.out_dir))
+    _run(resumed, 2, root / "e5")
+    out["resumed"] = _metrics(Path(resumed.run.out_dir))
+    dp2 = _variant(base, "dp2-colocated")
+    _run(dp2, 2, root / "e6")
+    out["dp2-colocated"] = _metrics(Path(dp2.run.out_dir))
+    dp2s = _variant(base, "dp2-separate", ("qwen",))
+    _run(dp2s, 3, root / "e7")
+    out["dp2-separate"] = _metrics(Path(dp2s.run.out_dir))
+    return out
+
+
+def test_the_colocated_run_trains_and_validates(runs):
+    ref = runs["colocated"]
+    assert sorted(ref) == [1, 2, 3, 4]
+    assert "val/bpb/student" in ref[2] and "val/loss/kd/qwen" in ref[4]
+    losses = [ref[s]["loss"] for s in (1, 2, 3, 4)]
+    assert all(abs(a - b) > 1e-4 for a, b in zip(losses, losses[1:]))
+
+
+@pytest.mark.parametrize("name", ["qwen-separate", "both-separate"])
+def test_separate_teachers_give_the_colocated_run(runs, name):
+    _assert_same(runs[name], runs["colocated"], name)
+    assert "target_wait" in runs[name][1]
+
+
+def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs):
+    _assert_same(runs["dp2-separate"], runs["dp2-colocated"], "dp2")
+
+
+def test_a_stopped_and_resumed_run_gives_the_uninterrupted_one(runs):
+    assert sorted(runs["stopped"]) == [1, 2]
+    _assert_same(runs["resumed"], runs["colocated"], "resumed")
+
+
+# ----------------------------------------------------------------------------- failures
+
+JOB = textwrap.dedent(
+    """
+    import sys
+
+    import torch
+
+    from crossdistill.cli import run_reporting
+    from crossdistill.config import load_config
+    from crossdistill.train.loop import train
+
+    torch.set_num_threads(1)
+    cfg = load_config(sys.argv[1])
+    sys.exit(run_reporting(lambda _: train(cfg), None))
+    """
+)
+
+
+def test_a_teacher_that_dies_ends_the_student_with_one_line(base, tmp_path):
+    """The teacher process is killed while the student trains: the student leaves within the
+    timeout, saying which teacher it lost, instead of hanging."""
+    import yaml
+
+    from crossdistill.config import to_dict
+
+    cfg = _variant(base, "dies", ("qwen",))
+    cfg.run.out_dir = str(tmp_path / "dies")
+    cfg.train.steps, cfg.train.eval_every, cfg.train.checkpoint_every = 1000, 1000, 1000
+    cfg.train.teacher_timeout_s = 20.0
+    config = tmp_path / "cfg.yaml"
+    config.write_text(yaml.safe_dump(to_dict(cfg)))
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    port = str(h.free_port())
+    procs = []
+    for rank in (0, 1):
+        env = dict(
+            os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+        )  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), str(config)],
+                env=env,
+                stderr=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                text=True,
+            )
+        )
+    metrics = Path(cfg.run.out_dir) / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2):
+        assert time.monotonic() < deadline and procs[0].poll() is None, "the run did not start"
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    started = time.monotonic()
+    err = procs[0].communicate(timeout=120)[1]
+    procs[1].wait(timeout=30)
+    assert procs[0].returncode not in (0, None)
+    assert time.monotonic() - started < 60
+    assert "teacher 'qwen' (rank 1 of the job)" in err, err
+    assert "train.teacher_timeout_s" in err
+    assert "Traceback" not in err, err
+
+
+def test_bad_splits_are_refused_before_loading(base):
+    from crossdistill.distributed.streams import separate_ranks
+    from crossdistill.errors import UserError
+
+    cfg = _variant(base, "refused", ("qwen",))
+    with pytest.raises(UserError, match="torchrun --nproc_per_node 2"):
+        separate_ranks(cfg, 1)
+    cfg.teachers[0].ranks = 3
+    with pytest.raises(UserError, match="take 3 of the job's 3 processes"):
+        separate_ranks(cfg, 3)
+    assert separate_ranks(cfg, 4) == (3,)
+
+
+def test_teacher_layouts_that_do_not_fit_their_ranks_are_refused(base):
+    from crossdistill.config import ParallelConfig
+    from crossdistill.distributed.setup import plan_layouts
+    from crossdistill.errors import UserError
+    from crossdistill.train.validate import validate_config
+
+    cfg = _variant(base, "layouts", ("qwen",))
+    res_s, res_t = validate_config(cfg)
+    hf = (res_s.hf_config, [r.hf_config for r in res_t])
+    cfg.teachers[0].parallel = ParallelConfig(tp=2)
+    with pytest.raises(UserError, match=r"teachers.0.parallel.*does not divide the world size 1"):
+        plan_layouts(cfg, 3, *hf)
+    cfg.teachers[0].ranks = 2
+    cfg.teachers[0].parallel = ParallelConfig(dp_shard=2)
+    with pytest.raises(UserError, match="its 2 data-parallel groups must divide the student's 1"):
+        plan_layouts(cfg, 3, *hf)
+    layouts = plan_layouts(cfg, 4, *hf)  # student dp2, teacher dp2
+    assert layouts.separate == [True, False] and layouts.student.dp == 2
+
+
+def test_separate_and_cache_or_offload_are_refused(base):
+    from crossdistill.errors import UserError
+    from crossdistill.train.validate import validate_config
+
+    cfg = _variant(base, "cache", ("qwen",))
+    cfg.teachers[0].offload = True
+    with pytest.raises(UserError, match="drop teachers.0.offload"):
+        validate_config(cfg)
+    cfg.teachers[0].offload = False
+    cfg.train.teacher_prefetch = 0
+    with pytest.raises(UserError, match="train.teacher_prefetch must be >= 1"):
+        validate_config(cfg)
+
+
+def test_payload_size_within_a_kilobyte_per_token():
+    from crossdistill.losses.payload import payload_nbytes
+
+    tokens = 8 * 4096
+    for q in ("none", "int8"):  # every student token a KD position, teacher 1.2x longer
+        per_token = payload_nbytes(tokens, 64, int(tokens * 1.2), q) / tokens
+        assert per_token <= 1024, (q, per_token)
+    assert payload_nbytes(10, 64, 12, "int8") < payload_nbytes(10, 64, 12, "none")
