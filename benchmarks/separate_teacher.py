@@ -114,7 +114,8 @@ def run(args, name: str, cfg: dict, workdir: Path, processes: int) -> dict:
     wall = time.perf_counter() - started
     if done.returncode != 0:
         raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
-    records = [json.loads(x) for x in Path(cfg["run"]["out_dir"], "metrics.jsonl").open()]
+    lines = Path(cfg["run"]["out_dir"], "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(x) for x in lines]
     steps = [r for r in records if "tokens_per_s" in r and r["step"] > args.warmup]
     out = {
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
