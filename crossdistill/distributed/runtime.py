@@ -290,18 +290,6 @@ class Placement:
 _FIELDS = ("topk_ids", "topk_logprobs", "tail_logprob", "next_logprobs", "next_valid")
 
 
-def streams_matched(slots: list[TeacherSlot]) -> Tensor | None:
-    """Whether every target payload separate teachers sent since the last call belonged to the
-    batch it was used for (a device bool; None without separate teachers). Read at a host sync
-    that happens anyway, before anything trains on them."""
-    flags = [
-        f for s in slots if s.stream is not None for f in [s.stream.take_matched()] if f is not None
-    ]
-    if not flags:
-        return None
-    return torch.stack(flags).all()
-
-
 def cached_of(batch: Any, k: int) -> Any:
     """Teacher `k`'s cached targets in `batch` (None when it runs live)."""
     cached = getattr(batch, "cached", None)

@@ -16,11 +16,11 @@ parallel ranks of one data rank each take a copy). A teacher runs ahead of the s
 most `train.teacher_prefetch` steps: before it computes step n it waits until the student has
 received step n − prefetch.
 
-Each payload (`losses.payload`) starts with the batch's id: a sequence number and a checksum of
-the teacher inputs the sender read; the receiver compares it with its own copy of the batch on
-the device (no host sync) and the training loop reads the verdict at the step's one host sync,
-before the optimizer steps: a student never trains on another batch's targets. A peer that dies
-or stalls ends the job after `train.teacher_timeout_s` with one line naming it.
+Each payload (`losses.payload`) follows the batch's id (a sequence number, a checksum of the
+teacher inputs the sender read, and the sizes), sent as a small host message over gloo; the
+receiver compares it with its own copy of the batch before it takes the payload, so a student
+never trains on another batch's targets and never receives a payload of the wrong size. A peer
+that dies or stalls ends the job after `train.teacher_timeout_s` with one line naming it.
 """
 
 from __future__ import annotations
@@ -100,50 +100,68 @@ def join_roles(world: int, separate: tuple[int, ...], wants_cuda: bool) -> DistE
         world_size=sizes[role],
         device_id=dev if wants_cuda else None,
     )
-    link_store = dist.PrefixStore("crossdistill/link", store)
+    control = dist.ProcessGroupGloo(
+        dist.PrefixStore("crossdistill/control", store), rank, world, _LINK_TIMEOUT
+    )
+    data: Any = control
     if wants_cuda and not staged:
-        group: Any = dist.ProcessGroupNCCL(link_store, rank, world, dist.ProcessGroupNCCL.Options())
-    else:
-        group = dist.ProcessGroupGloo(link_store, rank, world, _LINK_TIMEOUT)
-    link = Link(group, dev, staged=wants_cuda and staged)
+        data = dist.ProcessGroupNCCL(
+            dist.PrefixStore("crossdistill/link", store),
+            rank,
+            world,
+            dist.ProcessGroupNCCL.Options(),
+        )
+    link = Link(control, data, dev, staged=wants_cuda and staged)
     return DistEnv(role_rank, sizes[role], local, dev, True, role, rank, sizes, link)
 
 
 class Link:
-    """Point-to-point transfers of byte buffers between the job's processes (global ranks)."""
+    """Point-to-point transfers between the job's processes (global ranks): byte buffers on the
+    `data` group (NCCL between GPUs of their own, else gloo), small host messages (batch ids,
+    the start step) on the gloo `control` group."""
 
-    def __init__(self, group: Any, device: torch.device, staged: bool):
-        self.group = group
+    def __init__(self, control: Any, data: Any, device: torch.device, staged: bool):
+        self.control = control
+        self.data = data
         self.device = device
         self.staged = staged  # gloo between GPU processes: through host memory
-        self.gloo = isinstance(group, dist.ProcessGroupGloo)
 
-    def _work(self, work: Any) -> Any:
-        return _GlooWork(work) if self.gloo else work
+    def _group(self, control: bool) -> Any:
+        return self.control if control else self.data
 
-    def isend(self, buf: Tensor, dst: int, who: str) -> tuple[Any, Tensor]:
+    def _host(self, control: bool) -> bool:
+        return control or self.staged or self.device.type == "cpu"
+
+    def _work(self, work: Any, control: bool) -> Any:
+        gloo = control or isinstance(self.data, dist.ProcessGroupGloo)
+        return _GlooWork(work) if gloo else work
+
+    def isend(self, buf: Tensor, dst: int, who: str, control: bool = False) -> tuple[Any, Tensor]:
         """Start sending `buf` to `dst`: (work, the buffer to keep alive until it completes)."""
-        if self.staged:
+        if self._host(control):
             buf = buf.cpu()
         with _failure(who):
-            return self._work(self.group.send([buf], dst, 0)), buf
+            return self._work(self._group(control).send([buf], dst, 0), control), buf
 
-    def recv(self, nbytes: int, src: int, deadline: float, who: str) -> Tensor:
-        """`nbytes` from `src`, waiting until `deadline` (time.monotonic); on this process's
-        device."""
-        host = self.staged or self.device.type == "cpu"
+    def recv(
+        self, nbytes: int, src: int, deadline: float, who: str, control: bool = False
+    ) -> Tensor:
+        """`nbytes` from `src`, waiting until `deadline` (time.monotonic); on the host for a
+        control message, else on this process's device."""
+        host = self._host(control)
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if host else self.device)
         with _failure(who):
-            work = self._work(self.group.recv([buf], src, 0))
+            work = self._work(self._group(control).recv([buf], src, 0), control)
         wait(work, deadline, who)
-        return buf.to(self.device, non_blocking=True) if self.staged else buf
+        return buf.to(self.device, non_blocking=True) if self.staged and not control else buf
 
     def abort(self) -> None:
         """Drop the link's pending transfers (a job that ends on an error must not hang)."""
-        with_abort = getattr(self.group, "abort", None)
-        if callable(with_abort):
-            with contextlib.suppress(Exception):  # best effort: the job ends anyway
-                with_abort()
+        for group in {id(self.data): self.data, id(self.control): self.control}.values():
+            with_abort = getattr(group, "abort", None)
+            if callable(with_abort):
+                with contextlib.suppress(Exception):  # best effort: the job ends anyway
+                    with_abort()
 
 
 def wait(work: Any, deadline: float, who: str) -> None:
@@ -225,7 +243,6 @@ class TargetStream:
         self.temperature = temperature
         self.timeout_s = timeout_s
         self.seq = 0
-        self.matched: Tensor | None = None  # on the device: every id so far was the expected one
         self.wait_s = 0.0  # host time spent waiting for targets
 
     def receive(self, tb: Any) -> TeacherTargets:
@@ -236,20 +253,21 @@ class TargetStream:
         who = f"teacher {self.name!r} (rank {self.source} of the job), batch {self.seq}"
         self.seq += 1
         start = time.monotonic()
+        deadline = start + self.timeout_s
+        got = self.link.recv(expected.numel() * 8, self.source, deadline, who, control=True)
+        if not torch.equal(got.view(torch.int64), expected):
+            raise UserError(
+                f"{who}: the teacher sent the targets of another batch (id "
+                f"{got.view(torch.int64).tolist()}, expected {expected.tolist()}); its processes "
+                "and the student's must read the same config and data (nothing was trained on "
+                "them)"
+            )
         nbytes = payload_nbytes(m, self.top_k, n, self.quantization)
-        buf = self.link.recv(nbytes, self.source, start + self.timeout_s, who)
+        buf = self.link.recv(nbytes, self.source, deadline, who)
         self.wait_s += time.monotonic() - start
-        header, targets = unpack_targets(buf, m, self.top_k, n, self.quantization, self.temperature)
+        targets = unpack_targets(buf, m, self.top_k, n, self.quantization, self.temperature)
         targets.topk_ids = targets.topk_ids.long()
-        same = (header == expected.to(header.device, non_blocking=True)).all()
-        self.matched = same if self.matched is None else self.matched & same
         return targets
-
-    def take_matched(self) -> Tensor | None:
-        """Whether every payload since the last call carried the expected batch id (a device
-        bool; None when none arrived)."""
-        out, self.matched = self.matched, None
-        return out
 
 
 class TargetSender:
@@ -277,11 +295,12 @@ class TargetSender:
 
     def send(self, data_rank: int, tb: Any, targets: TeacherTargets) -> None:
         header = batch_id(self.seq[data_rank], tb.input_ids, tb.labels)
-        buf = pack_targets(targets, header, self.quantization)
+        buf = pack_targets(targets, self.quantization)
         for dst in self.destinations[data_rank]:
             who = f"student rank {dst} of the job, receiving teacher {self.name!r}'s targets"
-            work, kept = self.link.isend(buf, dst, who)
-            self.steps[-1].append((work, kept, who))
+            for message, control in ((header.view(torch.uint8), True), (buf, False)):
+                work, kept = self.link.isend(message, dst, who, control)
+                self.steps[-1].append((work, kept, who))
             self.sent_bytes += buf.numel()
         self.seq[data_rank] += 1
 
@@ -308,10 +327,10 @@ def announce_start(env: DistEnv, step: int, timeout_s: float) -> None:
     (0, or the checkpoint's it resumed)."""
     if env.role != 0 or env.rank != 0 or env.link is None:
         return
-    value = torch.tensor([step], dtype=torch.int64, device=env.link.device).view(torch.uint8)
+    value = torch.tensor([step], dtype=torch.int64).view(torch.uint8)
     who = "a separate teacher's process, receiving the start step"
     teachers = range(env.role_sizes[0], sum(env.role_sizes))
-    sends = [env.link.isend(value, dst, who) for dst in teachers]
+    sends = [env.link.isend(value, dst, who, control=True) for dst in teachers]
     deadline = time.monotonic() + timeout_s
     for work, _ in sends:
         wait(work, deadline, who)
@@ -319,5 +338,6 @@ def announce_start(env: DistEnv, step: int, timeout_s: float) -> None:
 
 def await_start(env: DistEnv, timeout_s: float) -> int:
     """A separate teacher's process: the step the student starts at (see `announce_start`)."""
-    buf = env.link.recv(8, 0, time.monotonic() + timeout_s, "the student's first rank (start step)")
+    who = "the student's first rank (start step)"
+    buf = env.link.recv(8, 0, time.monotonic() + timeout_s, who, control=True)
     return int(buf.view(torch.int64)[0])

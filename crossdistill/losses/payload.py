@@ -1,9 +1,10 @@
 """Teacher targets as one flat byte buffer, and the int8 quantisation they share with the cache.
 
 A separate teacher sends each micro-batch's `TeacherTargets` to the student ranks as one
-`uint8` tensor (on the device, so NCCL moves it without a host copy):
+`uint8` tensor (on the device, so NCCL moves it without a host copy), after the batch's id
+(`batch_id`: sequence number, checksum, M, N_t; a small host message the receiver checks before
+it takes the payload):
 
-    header    int64 [4]     the batch's id (see `batch_id`): sequence number, checksum, M, N_t
     topk_ids  int32 [M, K]
     tail      float32 [M]
     next      float32 [N_t] next-token log-probs (τ = 1)
@@ -16,7 +17,7 @@ a row's log-probs are renormalised with its tail on arrival, exactly as the teac
 reads its records (`renormalise_top_k`, shared by both).
 
 Size at K = 64: 8·K + 4 = 516 bytes per KD position and 5 per teacher token unquantised, 324
-and 5 with int8 codes (the ids are sent whole).
+and 5 with int8 codes (the ids are sent whole); 32 bytes of id per micro-batch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from crossdistill.config import Quantization
 from crossdistill.losses.targets import TeacherTargets
 
 QUANT_SCALE = 8.0  # int8 top-k log-probs: steps of 1/8 nat, down to -31.9
-HEADER = 4
 
 
 def renormalise_top_k(top_lp: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
@@ -63,15 +63,13 @@ def batch_id(seq: int, input_ids: Tensor, labels: Tensor) -> Tensor:
 def payload_nbytes(m: int, k: int, n: int, quantization: Quantization) -> int:
     """Bytes of the buffer `pack_targets` makes for M KD positions, top-k K and N_t tokens."""
     top = m * k * (1 if quantization == "int8" else 4)
-    return 8 * HEADER + 4 * m * k + 4 * m + 4 * n + top + n
+    return 4 * m * k + 4 * m + 4 * n + top + n
 
 
-def pack_targets(t: TeacherTargets, header: Tensor, quantization: Quantization) -> Tensor:
-    """One `uint8` buffer on `t`'s device holding `header` (int64 [4]) and the targets."""
-    dev = t.topk_ids.device
+def pack_targets(t: TeacherTargets, quantization: Quantization) -> Tensor:
+    """One `uint8` buffer on `t`'s device holding the targets."""
     top = quantise(t.topk_logprobs) if quantization == "int8" else t.topk_logprobs.float().flatten()
     parts = [
-        header.to(dev, non_blocking=True),
         t.topk_ids.to(torch.int32).flatten(),
         t.tail_logprob.float().flatten(),
         t.next_logprobs.float().flatten(),
@@ -83,9 +81,9 @@ def pack_targets(t: TeacherTargets, header: Tensor, quantization: Quantization) 
 
 def unpack_targets(
     buf: Tensor, m: int, k: int, n: int, quantization: Quantization, temperature: float
-) -> tuple[Tensor, TeacherTargets]:
-    """(header int64 [4], targets) of a buffer made by `pack_targets`; views into `buf`
-    except where int8 codes are turned back into log-probs."""
+) -> TeacherTargets:
+    """The targets of a buffer made by `pack_targets`; views into `buf` except where int8
+    codes are turned back into log-probs."""
     at = 0
 
     def take(dtype: torch.dtype, count: int) -> Tensor:
@@ -95,7 +93,6 @@ def unpack_targets(
         at += size
         return out
 
-    header = take(torch.int64, HEADER)
     ids = take(torch.int32, m * k).view(m, k)
     tail = take(torch.float32, m)
     next_lp = take(torch.float32, n)
@@ -106,4 +103,4 @@ def unpack_targets(
     valid = take(torch.uint8, n).bool()
     if at != buf.numel():
         raise ValueError(f"payload holds {buf.numel()} bytes, its layout {at}")
-    return header, TeacherTargets(ids, top, tail, next_lp, valid, temperature=temperature)
+    return TeacherTargets(ids, top, tail, next_lp, valid, temperature=temperature)

@@ -20,7 +20,6 @@ import torch
 from crossdistill.config import Config, save_config
 from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.layout import DistEnv, init_distributed
-from crossdistill.distributed.runtime import streams_matched
 from crossdistill.distributed.streams import announce_start, separate_ranks
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
@@ -114,13 +113,8 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
             tokens += sum(mb.student.num_target_tokens for mb in window)
             metrics = train_step(c.student, c.slots, window, settings, c.placement)
             grad_norm = clip_grad_norm_(c.student.parameters(), cfg.optim.grad_clip)
-            finite, matched = _verdict(metrics["loss"], grad_norm, c.slots)  # one host sync
-            if not matched:
-                raise UserError(
-                    f"step {step + 1}: a separate teacher sent the targets of another batch; its "
-                    "processes and the student's must read the same config and data (nothing "
-                    "was trained on them; the last checkpoint is intact)"
-                )
+            # one host sync per step, outside the loss: a non-finite step is skipped
+            finite = bool(torch.isfinite(metrics["loss"]) & torch.isfinite(grad_norm))
             done = step + 1
             if finite:
                 skipped = 0
@@ -170,16 +164,6 @@ def job_size() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _verdict(loss: torch.Tensor, grad_norm: torch.Tensor, slots) -> tuple[bool, bool]:
-    """(loss and gradient finite, every streamed target belonged to its batch), read in one
-    host sync."""
-    finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
-    matched = streams_matched(slots)
-    flags = torch.stack([finite, finite if matched is None else matched.to(finite.device)])
-    finite_ok, matched_ok = flags.tolist()
-    return bool(finite_ok), bool(matched_ok)
 
 
 def _target_wait(slots) -> float | None:

@@ -272,3 +272,25 @@ def test_payload_size_within_a_kilobyte_per_token():
         per_token = payload_nbytes(tokens, 64, int(tokens * 1.2), q) / tokens
         assert per_token <= 1024, (q, per_token)
     assert payload_nbytes(10, 64, 12, "int8") < payload_nbytes(10, 64, 12, "none")
+
+
+def _mismatch_worker(rank: int, cfg, other_train: str) -> None:
+    from crossdistill.train.loop import train
+
+    if rank == 1:  # the teacher's process reads a corpus with one word changed
+        cfg.data.train = [other_train]
+    train(cfg)
+
+
+def test_targets_of_another_batch_are_refused_before_the_update(base, tmp_path):
+    root, _ = base
+    cfg = _variant(base, "mismatch", ("qwen",))
+    cfg.run.out_dir = str(tmp_path / "mismatch")
+    text = Path(cfg.data.train[0]).read_text()
+    assert "quick brown fox" in text
+    other = tmp_path / "other.jsonl"
+    other.write_text(text.replace("quick brown fox", "quick brown fix"))
+    with pytest.raises(AssertionError) as failed:
+        h.spawn(_mismatch_worker, 2, cfg, str(other), errors=tmp_path / "errors", group=False)
+    assert "the teacher sent the targets of another batch" in str(failed.value)
+    assert not list(Path(cfg.run.out_dir).glob("checkpoints/step_*"))

@@ -32,11 +32,9 @@ def _targets(m: int, k: int, n: int, vocab: int, seed: int) -> TeacherTargets:
 @pytest.mark.parametrize("seed", range(4))
 def test_unquantised_payload_is_bit_exact(seed):
     t = _targets(37, 16, 45, 300, seed)
-    header = torch.tensor([seed, 123456789, 45, 45])
-    buf = pack_targets(t, header, "none")
+    buf = pack_targets(t, "none")
     assert buf.dtype == torch.uint8 and buf.numel() == payload_nbytes(37, 16, 45, "none")
-    got_header, got = unpack_targets(buf, 37, 16, 45, "none", 1.0)
-    assert torch.equal(got_header, header)
+    got = unpack_targets(buf, 37, 16, 45, "none", 1.0)
     assert torch.equal(got.topk_ids.long(), t.topk_ids)
     for name in ("topk_logprobs", "tail_logprob", "next_logprobs", "next_valid"):
         assert torch.equal(getattr(got, name), getattr(t, name)), name
@@ -45,9 +43,9 @@ def test_unquantised_payload_is_bit_exact(seed):
 @pytest.mark.parametrize("seed", range(4))
 def test_int8_payload_matches_a_float64_reference(seed):
     t = _targets(29, 32, 31, 500, seed)
-    buf = pack_targets(t, torch.zeros(4, dtype=torch.int64), "int8")
+    buf = pack_targets(t, "int8")
     assert buf.numel() == payload_nbytes(29, 32, 31, "int8")
-    _, got = unpack_targets(buf, 29, 32, 31, "int8", 1.0)
+    got = unpack_targets(buf, 29, 32, 31, "int8", 1.0)
     # reference: codes in steps of 1/8 nat, then each row with its tail renormalised
     codes = np.clip(np.rint(-t.topk_logprobs.double().numpy() * 8), 0, 255)
     lp = -codes / 8
@@ -82,9 +80,7 @@ def test_int8_payload_reads_as_the_teacher_cache_does():
     )
     blob, raw = encode_record(doc, "int8")
     cached = decode_record(blob, raw, 12, 8, "int8")
-    _, sent = unpack_targets(
-        pack_targets(t, torch.zeros(4, dtype=torch.int64), "int8"), 12, 8, 12, "int8", 1.0
-    )
+    sent = unpack_targets(pack_targets(t, "int8"), 12, 8, 12, "int8", 1.0)
     order = np.argsort(sent.topk_ids.numpy(), axis=1)
     corder = np.argsort(cached.topk_ids, axis=1)
     np.testing.assert_array_equal(
@@ -117,6 +113,6 @@ def test_batch_id_names_the_batch():
 
 def test_a_buffer_of_another_size_is_refused():
     t = _targets(4, 4, 5, 50, 0)
-    buf = pack_targets(t, torch.zeros(4, dtype=torch.int64), "none")
+    buf = pack_targets(t, "none")
     with pytest.raises(ValueError, match="payload holds"):
         unpack_targets(torch.cat([buf, buf[:4]]), 4, 4, 5, "none", 1.0)
