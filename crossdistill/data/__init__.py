@@ -7,8 +7,8 @@ of `Batch`es (see `batch.py` for shapes) with `state_dict()` / `load_state_dict(
 validation split a `HeldOut`. Names are imported on first use: the tokenizer side
 (`TokenizerSide`) and the sources need no torch, the batches do.
 
-Imports `errors`, `config`, `cache`, `models` and `alignment`; never `distributed` or
-`train`."""
+Imports `errors`, `config`, `cache`, `losses` (the int8 quantisation the cache shares with a
+separate teacher's payload), `models` and `alignment`; never `distributed` or `train`."""
 
 import importlib
 

@@ -7,6 +7,8 @@
 - `student_loss(hidden, lm_head, labels, [KDTerm, ...], kd_ratio, ce_denominator)` → loss and
   detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
   reference backend.
+- `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
+  quantisation the teacher cache shares.
 
 Imports `errors` and `config` only: no model, tokenizer or data code."""
 
