@@ -12,7 +12,8 @@ machine's Python sources as text, the trainer's own code):
 
 Reported per run: median student tokens/s over the steps after `--warmup`, peak memory of the
 student's process, and for `separate` the share of time the student waited for targets
-(`target_wait`, from the run's metrics). With the teacher on a GPU of its own the step should
+(`target_wait`, from the run's metrics), and each run's first losses (a separate teacher
+trains the student as the colocated one does: same batches, same targets). With the teacher on a GPU of its own the step should
 cost max(teacher, student), not their sum.
 
     python benchmarks/separate_teacher.py --student-tokenizer $TOK/llama3 \\
@@ -122,6 +123,8 @@ def run(args, name: str, cfg: dict, workdir: Path, processes: int) -> dict:
         "steps_timed": len(steps),
         "wall_s": wall,
     }
+    # the first steps' losses: a separate teacher must train the student as a colocated one
+    out["first_losses"] = [r["loss"] for r in records if "loss" in r][:5]
     waits = [r["target_wait"] for r in steps if "target_wait" in r]
     if waits:
         out["target_wait"] = statistics.mean(waits)
