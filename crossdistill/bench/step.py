@@ -107,6 +107,13 @@ def add_parser(subparsers) -> None:
         help="also build each teacher's cache over the corpus and time the step reading it "
         "(beside the live step, and the student alone for memory)",
     )
+    p.add_argument(
+        "--teacher-placement",
+        choices=["colocated", "separate"],
+        default="colocated",
+        help="separate: each teacher on a process of its own, under torchrun --nproc_per_node "
+        "1 + teachers (the student's time spent waiting for targets is reported)",
+    )
     p.add_argument("--device", default="cuda")
     p.add_argument(
         "--tiny", action="store_true", help="override shapes to a few layers (CPU smoke)"
@@ -130,6 +137,27 @@ def _shape(model) -> Shape:
     n = total - emb.numel() + (head.numel() if head is emb else 0)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return Shape(n, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim)
+
+
+def _teacher_shape(slot) -> Shape:
+    """A teacher's shape; one that runs in another process is built on the meta device."""
+    if slot.teacher is not None:
+        return _shape(slot.teacher.model)
+    import torch
+
+    from crossdistill.models.loading import build_meta_model
+
+    t = slot.cfg
+    return _shape(build_meta_model(t.path, t.arch, dtype=torch.bfloat16, overrides=t.overrides))
+
+
+def _gpus(env) -> int:
+    """The GPUs a job uses (its processes share them where there are fewer)."""
+    import torch
+
+    if env.device.type != "cuda":
+        return 0
+    return min(env.job_size, torch.cuda.device_count())
 
 
 def _flops_per_student_token(s: Shape, teachers: list[tuple[Shape, float]], t_s: int) -> float:
@@ -165,7 +193,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give one --teacher-tokenizer per --teacher")
     if args.grad_accum < 1:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    if args.teacher_cache:
+    if args.teacher_placement == "separate":
+        if args.teacher_cache or not args.teacher:
+            raise UserError("--teacher-placement separate needs --teacher and no --teacher-cache")
+        from crossdistill.bench.step_separate import measure_separate
+
+        result = measure_separate(args, measure)
+        if result is None:  # a teacher's process: the student's reports
+            return 0
+    elif args.teacher_cache:
         if not args.teacher:
             raise UserError("--teacher-cache needs at least one --teacher")
         from crossdistill.bench.step_cache import CacheBench
@@ -183,19 +219,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def measure(args: argparse.Namespace, extras: Callable[[Any, dict], None] | None = None) -> dict:
+def measure(
+    args: argparse.Namespace,
+    extras: Callable[[Any, dict], None] | None = None,
+    env: Any = None,
+) -> dict:
     """The timed steps of the run `args` describes, with FLOPs, MFU and the run's facts.
     `extras(bench, result)` runs after the timing on the same run (a `step_setup.Bench`) and
     adds its own keys to `result`: `ms/<phase>` keys join the split, `<prefix>tokens_per_s`
-    keys get their MFU (a baseline's, on the same FLOPs per token)."""
+    keys get their MFU (a baseline's, on the same FLOPs per token). `env`: the student's
+    process of a job with separate teachers (MFU is then per GPU the job uses)."""
     from crossdistill.bench.step_setup import build_bench, timed_steps
+    from crossdistill.distributed.streams import announce_start
 
-    with build_bench(args) as bench:
-        result = timed_steps(bench, args)
+    with build_bench(args, env=env) as bench:
+        if env is not None:
+            announce_start(env, 0, bench.cfg.train.teacher_timeout_s)
+            result = {"processes": env.job_size, "gpus": _gpus(env)}
+        else:
+            result = {}
+        result.update(timed_steps(bench, args))
         bench.teacher_ratio = result["teacher_tokens_per_student_token"]
         shapes = Shapes(
             _shape(bench.c.student),
-            [_shape(s.teacher.model) for s in bench.c.slots],
+            [_teacher_shape(s) for s in bench.c.slots],
             _lm_head_size(bench.c.student),
         )
         if extras is not None:
@@ -244,12 +291,13 @@ def _finish(result: dict, shapes: Shapes, bench, args) -> None:
         tps = result[f"{key}tokens_per_s"]
         if key:
             result[f"speedup_vs_{key.rstrip('_')}"] = result["tokens_per_s"] / tps
+        gpus = result.get("gpus") or 1  # a separate teacher's GPU counts too
         achieved = tps * flops / 1e12
         result[f"{key}tflops"] = achieved
-        result[f"{key}mfu"] = achieved / peak if peak else None
+        result[f"{key}mfu"] = achieved / (peak * gpus) if peak else None
         if result.get("matmul_tflops_measured"):
-            result[f"{key}fraction_of_measured_matmul"] = (
-                achieved / result["matmul_tflops_measured"]
+            result[f"{key}fraction_of_measured_matmul"] = achieved / (
+                result["matmul_tflops_measured"] * gpus
             )
     rate = result.get("matmul_tflops_measured")
     if rate and "ms/student_loss" in result:
@@ -287,6 +335,9 @@ def print_table(result: dict) -> None:
         "fraction_of_measured_matmul",
         "peak_gib",
         "loader_fraction",
+        "target_wait_fraction",
+        "processes",
+        "gpus",
         "attention",
         "student_loss_fraction",
         "student_loss_beyond_lm_head_fraction",

@@ -76,7 +76,8 @@ def write_corpus(workdir: Path, args) -> Path:
 def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
     """The `crossdistill train` config of the benchmark's run: random-init models of the
     presets' shapes (`--tiny`: a few narrow layers), this machine's Python sources; with
-    `caches`, each teacher read from its cache folder instead."""
+    `caches`, each teacher read from its cache folder instead; each teacher placed as
+    `--teacher-placement` says (separate: one process of its own)."""
     cuda = torch.device(args.device).type == "cuda"
     overrides = dict(TINY) if args.tiny else {}
     model = {"overrides": overrides, "attn_implementation": args.attention, "compile": args.compile}
@@ -98,6 +99,7 @@ def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
             dtype="bfloat16" if cuda else "float32",
             loss=args.loss,
             top_k=args.top_k,
+            placement=getattr(args, "teacher_placement", "colocated"),
             **model,
         )
         for i, (arch, tok) in enumerate(zip(args.teacher, args.teacher_tokenizer))
@@ -122,14 +124,15 @@ def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
     return Config(student=student, teachers=teachers, data=data, optim=OptimConfig(), train=train)
 
 
-def build_bench(args, caches: list[str] | None = None) -> Bench:
+def build_bench(args, caches: list[str] | None = None, env: Any = None) -> Bench:
+    """The benchmark's run, built by the trainer's code (`env`: this process's place in a job
+    of several, as for a separate teacher; default: one process)."""
     workdir = tempfile.TemporaryDirectory(prefix="crossdistill-bench-")
     cfg = bench_config(args, write_corpus(Path(workdir.name), args), caches)
-    c = build_components(cfg)
+    c = build_components(cfg, env)
     settings = StepSettings.of(cfg.train, c.device)
-    bench = Bench(cfg, c, iter(c.train_loader), settings, [], workdir, c.device)
-    bench.teacher_ratio = first_ratio(next(bench.loader))  # the timed steps count their own
-    return bench
+    # the teachers' tokens per student token are counted on the timed steps' own batches
+    return Bench(cfg, c, iter(c.train_loader), settings, [], workdir, c.device)
 
 
 def first_ratio(batch) -> list[float]:
@@ -182,6 +185,7 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     wait = 0.0
     counts = [0] * (1 + len(bench.c.slots))
     graphs = _graphs_compiled()
+    waited = target_wait(bench)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         w0 = time.perf_counter()
@@ -204,7 +208,15 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     }
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if waited is not None:  # separate teachers: the student's time spent waiting for targets
+        out["target_wait_fraction"] = (target_wait(bench) - waited) / total
     return out
+
+
+def target_wait(bench: Bench) -> float | None:
+    """Seconds the student has waited for separate teachers' targets (None without any)."""
+    waits = [s.stream.wait_s for s in bench.c.slots if s.stream is not None]
+    return sum(waits) if waits else None
 
 
 def _graphs_compiled() -> int:

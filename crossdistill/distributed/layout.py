@@ -67,43 +67,39 @@ class DistEnv:
         return sum(self.role_sizes[:role])
 
 
-def init_distributed(device: str = "auto", separate: tuple[int, ...] = ()) -> DistEnv:
-    """Join the job `torchrun` started (env vars `RANK`, `WORLD_SIZE`, `LOCAL_RANK`): nccl on
-    CUDA, gloo on CPU; the process drives GPU `LOCAL_RANK`. A process group the caller started
-    is joined as it is. A plain `python` run is one process: no process group, and `device`
-    as given ("auto", "cpu", "cuda", "cuda:1").
-
-    `separate`: the ranks of each separate teacher, in teacher order; the job's last processes
-    go to them and the first to the student (see `DistEnv`)."""
-    joined = torch.distributed.is_available() and torch.distributed.is_initialized()
-    world = torch.distributed.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))
-    wants_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-    if wants_cuda and not torch.cuda.is_available():
+def wants_cuda(device: str) -> bool:
+    """Whether `device` ("auto", "cpu", "cuda", "cuda:1") means a GPU; one asked for where none
+    is visible is refused."""
+    cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
         raise UserError(
             f"train.device={device} but no CUDA device is visible; use train.device=cpu"
         )
-    if separate:
-        from crossdistill.distributed.streams import join_roles
+    return cuda
 
-        if joined:
-            raise UserError(
-                "separate teachers split the job into roles when it starts; start the job with "
-                "torchrun (no process group of the caller's)"
-            )
-        return join_roles(world, separate, wants_cuda)
+
+def init_distributed(device: str = "auto") -> DistEnv:
+    """Join the job `torchrun` started (env vars `RANK`, `WORLD_SIZE`, `LOCAL_RANK`): nccl on
+    CUDA, gloo on CPU; the process drives GPU `LOCAL_RANK`. A process group the caller started
+    is joined as it is. A plain `python` run is one process: no process group, and `device`
+    as given ("auto", "cpu", "cuda", "cuda:1"). A job with separate teachers starts through
+    `streams.init_roles` instead."""
+    joined = torch.distributed.is_available() and torch.distributed.is_initialized()
+    world = torch.distributed.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))
+    cuda = wants_cuda(device)
     if world == 1:
         return DistEnv(
             device=torch.device(
-                "cuda" if device == "auto" and wants_cuda else device.replace("auto", "cpu")
+                "cuda" if device == "auto" and cuda else device.replace("auto", "cpu")
             )
         )
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if wants_cuda:
+    if cuda:
         torch.cuda.set_device(local)
-    dev = torch.device("cuda", local) if wants_cuda else torch.device("cpu")
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     if not joined:
         torch.distributed.init_process_group(
-            backend="nccl" if wants_cuda else "gloo", device_id=dev if wants_cuda else None
+            backend="nccl" if cuda else "gloo", device_id=dev if cuda else None
         )
     rank = torch.distributed.get_rank()
     return DistEnv(rank, world, local, dev, owns_group=not joined, global_rank=rank)

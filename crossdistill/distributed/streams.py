@@ -30,6 +30,7 @@ import datetime
 import os
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from crossdistill.config import Config, Quantization
-from crossdistill.distributed.layout import DistEnv, ParallelLayout
+from crossdistill.distributed.layout import DistEnv, ParallelLayout, init_distributed, wants_cuda
 from crossdistill.errors import UserError
 from crossdistill.losses import TeacherTargets, kd_positions
 from crossdistill.losses.payload import batch_id, pack_targets, payload_nbytes, unpack_targets
@@ -72,15 +73,28 @@ def separate_ranks(cfg: Config, world_size: int) -> tuple[int, ...]:
     return sizes
 
 
-def join_roles(world: int, separate: tuple[int, ...], wants_cuda: bool) -> DistEnv:
-    """This process's role, its role's process group and the job-wide link (see module doc)."""
+def init_roles(device: str, separate: tuple[int, ...]) -> DistEnv:
+    """`init_distributed`, for a job with separate teachers (`separate`: the ranks of each, in
+    teacher order; empty: a plain job): this process's role, its role's process group and the
+    job-wide link (see module doc)."""
+    if not separate:
+        return init_distributed(device)
+    if dist.is_available() and dist.is_initialized():
+        raise UserError(
+            "separate teachers split the job into roles when it starts; start the job with "
+            "torchrun (no process group of the caller's)"
+        )
+    return _join_roles(int(os.environ.get("WORLD_SIZE", "1")), separate, wants_cuda(device))
+
+
+def _join_roles(world: int, separate: tuple[int, ...], cuda: bool) -> DistEnv:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     sizes = (world - sum(separate), *separate)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     role = max(i for i, s in enumerate(starts) if s <= rank)
     role_rank = rank - starts[role]
     dev, staged = torch.device("cpu"), False
-    if wants_cuda:
+    if cuda:
         count = torch.cuda.device_count()
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
         if local_world > count and max(sizes) > count:
@@ -92,26 +106,26 @@ def join_roles(world: int, separate: tuple[int, ...], wants_cuda: bool) -> DistE
         torch.cuda.set_device(dev)
         staged = local_world > count  # processes share GPUs: NCCL refuses such a group
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world))
-    backend = "nccl" if wants_cuda else "gloo"
+    backend = "nccl" if cuda else "gloo"
     dist.init_process_group(
         backend,
         store=dist.PrefixStore(f"crossdistill/role{role}", store),
         rank=role_rank,
         world_size=sizes[role],
-        device_id=dev if wants_cuda else None,
+        device_id=dev if cuda else None,
     )
     control = dist.ProcessGroupGloo(
         dist.PrefixStore("crossdistill/control", store), rank, world, _LINK_TIMEOUT
     )
     data: Any = control
-    if wants_cuda and not staged:
+    if cuda and not staged:
         data = dist.ProcessGroupNCCL(
             dist.PrefixStore("crossdistill/link", store),
             rank,
             world,
             dist.ProcessGroupNCCL.Options(),
         )
-    link = Link(control, data, dev, staged=wants_cuda and staged)
+    link = Link(control, data, dev, staged=cuda and staged)
     return DistEnv(role_rank, sizes[role], local, dev, True, role, rank, sizes, link)
 
 
@@ -221,29 +235,21 @@ def teacher_source(data_rank: int, teacher: ParallelLayout, start: int) -> int:
     return start + (data_rank % teacher.dp) * width
 
 
+@dataclass
 class TargetStream:
     """The student's end of one separate teacher: targets of this rank's micro-batches, in
-    the order the loop asks for them."""
+    the order the loop asks for them. `source`: the global rank that sends them; `top_k`: as
+    the teacher computes it (at most its vocabulary)."""
 
-    def __init__(
-        self,
-        link: Link,
-        name: str,
-        source: int,
-        top_k: int,
-        quantization: Quantization,
-        temperature: float,
-        timeout_s: float,
-    ):
-        self.link = link
-        self.name = name
-        self.source = source
-        self.top_k = top_k
-        self.quantization = quantization
-        self.temperature = temperature
-        self.timeout_s = timeout_s
-        self.seq = 0
-        self.wait_s = 0.0  # host time spent waiting for targets
+    link: Link
+    name: str
+    source: int
+    top_k: int
+    quantization: Quantization
+    temperature: float
+    timeout_s: float
+    seq: int = 0
+    wait_s: float = 0.0  # host time spent waiting for targets
 
     def receive(self, tb: Any) -> TeacherTargets:
         """Targets of teacher batch `tb` (this rank's next micro-batch)."""

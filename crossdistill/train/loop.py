@@ -19,8 +19,8 @@ import torch
 
 from crossdistill.config import Config, save_config
 from crossdistill.distributed.grads import clip_grad_norm_
-from crossdistill.distributed.layout import DistEnv, init_distributed
-from crossdistill.distributed.streams import announce_start, separate_ranks
+from crossdistill.distributed.layout import DistEnv
+from crossdistill.distributed.streams import announce_start, init_roles, separate_ranks
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.checkpoint import (
@@ -49,7 +49,7 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     would be due or not, exactly as a killed job would (for time-sliced schedulers: resume
     with `resume=True`). Under `torchrun`, every process calls this; rank 0 returns the
     metrics, the other ranks an empty dict (so that the job reports them once)."""
-    env = init_distributed(cfg.train.device, separate_ranks(cfg, job_size()))
+    env = init_roles(cfg.train.device, separate_ranks(cfg, job_size()))
     try:
         if env.role > 0:  # a separate teacher's process: it serves the student its targets
             from crossdistill.train.serve import serve_teacher

@@ -27,9 +27,12 @@ from crossdistill.train.checkpoint import found_at
 from crossdistill.train.step import StepSettings
 
 
-def serve_teacher(cfg: Config, env: DistEnv, resume: bool, stop_after: int | None) -> None:
+def serve_teacher(
+    cfg: Config, env: DistEnv, resume: bool, stop_after: int | None, validate: bool = True
+) -> None:
     """Compute and send separate teacher `env.role`'s targets for the whole run (or until the
-    student stops after `stop_after` steps); returns once the student has received them all."""
+    student stops after `stop_after` steps); returns once the student has received them all.
+    `validate=False`: the student runs no validation (a benchmark's timed steps)."""
     torch.manual_seed(cfg.train.seed)
     run = plan_run(cfg, env)
     k = separate_index(run.layouts.separate, env.role)
@@ -73,7 +76,7 @@ def serve_teacher(cfg: Config, env: DistEnv, resume: bool, stop_after: int | Non
                 serve(d, next(batches[d]))
         sender.step_done()
         done = step + 1
-        if done % cfg.train.eval_every == 0 or done == cfg.train.steps:
+        if validate and (done % cfg.train.eval_every == 0 or done == cfg.train.steps):
             for d in served:
                 for batch in loaders[d][1].take(cfg.train.eval_batches):
                     serve(d, batch)

@@ -5,8 +5,9 @@ The scenario of `_harness` (tiny Llama student, a Qwen3 teacher on forward-KL to
 and a Phi-3 teacher on chunk likelihood, three real tokenizers), 4 steps of 2 micro-batches,
 validation and checkpoints every 2 steps. A separate teacher's run must give the colocated
 run's per-step loss and held-out metrics to 1e-5 (float32): with one student process, with a
-student of two data ranks served by one teacher process, with both teachers separate, and
-after the run is stopped at step 2 and resumed. A teacher that dies ends the student with one
+student of two data ranks served by one teacher process or by a teacher tensor-parallel over two
+processes of its own, with both teachers separate, and after the run is stopped at step 2 and
+resumed. A teacher that dies ends the student with one
 line naming it.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from crossdistill.config import ParallelConfig
 from tests.distributed import _harness as h
 
 pytestmark = pytest.mark.distributed
@@ -104,27 +106,24 @@ def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "no
 def runs(base):
     """Every run once (each is a few seconds of training and a process start per rank)."""
     root, _ = base
+    cases = [  # (result, run folder, separate teachers, processes, stop after)
+        ("colocated", "colocated", (), 1, None),
+        ("qwen-separate", "qwen-separate", ("qwen",), 2, None),
+        ("both-separate", "both-separate", ("qwen", "phi"), 3, None),
+        ("stopped", "resumed", ("qwen",), 2, 2),
+        ("resumed", "resumed", ("qwen",), 2, None),  # the same folder, resumed
+        ("dp2-colocated", "dp2-colocated", (), 2, None),
+        ("dp2-separate", "dp2-separate", ("qwen",), 3, None),
+        ("dp2-separate-tp2", "dp2-separate-tp2", ("qwen",), 4, None),
+    ]
     out = {}
-    colocated = _variant(base, "colocated")
-    _run(colocated, 1, root / "e1")
-    out["colocated"] = _metrics(Path(colocated.run.out_dir))
-    one = _variant(base, "qwen-separate", ("qwen",))
-    _run(one, 2, root / "e2")
-    out["qwen-separate"] = _metrics(Path(one.run.out_dir))
-    both = _variant(base, "both-separate", ("qwen", "phi"))
-    _run(both, 3, root / "e3")
-    out["both-separate"] = _metrics(Path(both.run.out_dir))
-    resumed = _variant(base, "resumed", ("qwen",))
-    _run(resumed, 2, root / "e4", stop_after=2)
-    out["stopped"] = _metrics(Path(resumed.run.out_dir))
-    _run(resumed, 2, root / "e5")
-    out["resumed"] = _metrics(Path(resumed.run.out_dir))
-    dp2 = _variant(base, "dp2-colocated")
-    _run(dp2, 2, root / "e6")
-    out["dp2-colocated"] = _metrics(Path(dp2.run.out_dir))
-    dp2s = _variant(base, "dp2-separate", ("qwen",))
-    _run(dp2s, 3, root / "e7")
-    out["dp2-separate"] = _metrics(Path(dp2s.run.out_dir))
+    for i, (key, folder, separate, processes, stop) in enumerate(cases):
+        cfg = _variant(base, folder, separate)
+        if key.endswith("tp2"):  # the teacher tensor-parallel over 2 ranks of its own
+            cfg.teachers[0].ranks = 2
+            cfg.teachers[0].parallel = ParallelConfig(tp=2)
+        _run(cfg, processes, root / f"errors{i}", stop_after=stop)
+        out[key] = _metrics(Path(cfg.run.out_dir))
     return out
 
 
@@ -142,8 +141,11 @@ def test_separate_teachers_give_the_colocated_run(runs, name):
     assert "target_wait" in runs[name][1]
 
 
-def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs):
-    _assert_same(runs["dp2-separate"], runs["dp2-colocated"], "dp2")
+@pytest.mark.parametrize("name", ["dp2-separate", "dp2-separate-tp2"])
+def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs, name):
+    """One teacher group serves both student data ranks: on one process, or tensor-parallel
+    over two (its first rank sends)."""
+    _assert_same(runs[name], runs["dp2-colocated"], name)
 
 
 def test_a_stopped_and_resumed_run_gives_the_uninterrupted_one(runs):
@@ -294,3 +296,29 @@ def test_targets_of_another_batch_are_refused_before_the_update(base, tmp_path):
         h.spawn(_mismatch_worker, 2, cfg, str(other), errors=tmp_path / "errors", group=False)
     assert "the teacher sent the targets of another batch" in str(failed.value)
     assert not list(Path(cfg.run.out_dir).glob("checkpoints/step_*"))
+
+
+def test_bench_step_times_a_separate_teacher(tokenizer_dir, tmp_path):
+    """`bench step --teacher-placement separate` under torchrun: the student's process reports
+    its steps and the share of their time it waited for targets; without torchrun, one line
+    says how to start it."""
+    tok = {n: str(tokenizer_dir(n)) for n in ("llama3", "qwen3")}
+    command = [
+        "bench", "step", "--student-tokenizer", tok["llama3"], "--teacher", "qwen3-4b",
+        "--teacher-tokenizer", tok["qwen3"], "--tiny", "--device", "cpu", "--seq-len", "128",
+        "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json",
+        "--teacher-placement", "separate",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    launch += ["--master_port", str(h.free_port()), "-m", "crossdistill", *command]
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["processes"] == 2 and result["tokens_per_s"] > 0
+    assert 0 <= result["target_wait_fraction"] < 1
+    alone = subprocess.run(
+        [sys.executable, "-m", "crossdistill", *command], capture_output=True, text=True
+    )
+    assert alone.returncode == 2
+    assert "torchrun --nproc_per_node 2" in alone.stderr
