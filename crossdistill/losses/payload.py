@@ -51,12 +51,15 @@ def dequantise(codes: Tensor) -> Tensor:
 
 def batch_id(seq: int, input_ids: Tensor, labels: Tensor) -> Tensor:
     """int64 `[4]` naming a micro-batch on both sides of a stream: its sequence number, a
-    checksum of its teacher inputs and labels, and its sizes. Computed on the host copies the
-    loaders hand out (no device work)."""
+    checksum of its teacher inputs and labels, and its sizes. The trainer passes the host copies
+    the loaders hand out (no device work); tensors already on a device are summed there and
+    read back (one synchronisation)."""
     ids = input_ids.reshape(-1).long()
     lab = labels.reshape(-1).long()
-    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64) % 1_000_003 + 1
-    check = int((ids * weights).sum()) * 31 + int(((lab + 7) * weights).sum())
+    weights = torch.arange(1, ids.numel() + 1, dtype=torch.int64, device=ids.device)
+    weights = weights % 1_000_003 + 1
+    sums = torch.stack([(ids * weights).sum(), ((lab + 7) * weights).sum()]).cpu().tolist()
+    check = sums[0] * 31 + sums[1]
     return torch.tensor([seq, check % (1 << 62), ids.numel(), lab.numel()], dtype=torch.int64)
 
 

@@ -64,7 +64,9 @@ def _assert_same(got: dict, ref: dict, where: str) -> None:
             if key in ("lr", "target_wait") or key.startswith("time"):
                 continue
             assert key in got[step], (where, step, key)
-            assert abs(got[step][key] - value) <= REL * max(abs(value), 1e-6), (
+            # relative, with a floor for the near-zero KD terms of untrained models (a teacher
+            # tensor-parallel over its ranks sums its vocabulary in another order)
+            assert abs(got[step][key] - value) <= REL * abs(value) + 1e-8, (
                 where,
                 step,
                 key,
@@ -114,13 +116,14 @@ def runs(base):
         ("resumed", "resumed", ("qwen",), 2, None),  # the same folder, resumed
         ("dp2-colocated", "dp2-colocated", (), 2, None),
         ("dp2-separate", "dp2-separate", ("qwen",), 3, None),
+        ("dp2-colocated-tp2", "dp2-colocated-tp2", (), 2, None),
         ("dp2-separate-tp2", "dp2-separate-tp2", ("qwen",), 4, None),
     ]
     out = {}
     for i, (key, folder, separate, processes, stop) in enumerate(cases):
         cfg = _variant(base, folder, separate)
-        if key.endswith("tp2"):  # the teacher tensor-parallel over 2 ranks of its own
-            cfg.teachers[0].ranks = 2
+        if key.endswith("tp2"):  # the teacher tensor-parallel over 2 ranks (its own, or the
+            cfg.teachers[0].ranks = 2  # student's)
             cfg.teachers[0].parallel = ParallelConfig(tp=2)
         _run(cfg, processes, root / f"errors{i}", stop_after=stop)
         out[key] = _metrics(Path(cfg.run.out_dir))
@@ -141,11 +144,15 @@ def test_separate_teachers_give_the_colocated_run(runs, name):
     assert "target_wait" in runs[name][1]
 
 
-@pytest.mark.parametrize("name", ["dp2-separate", "dp2-separate-tp2"])
-def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs, name):
+@pytest.mark.parametrize(
+    "name, reference",
+    [("dp2-separate", "dp2-colocated"), ("dp2-separate-tp2", "dp2-colocated-tp2")],
+)
+def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs, name, reference):
     """One teacher group serves both student data ranks: on one process, or tensor-parallel
-    over two (its first rank sends)."""
-    _assert_same(runs[name], runs["dp2-colocated"], name)
+    over two of its own (its first rank sends), against the same teacher layout colocated
+    (tensor parallelism sums the teacher's vocabulary in another order than one process)."""
+    _assert_same(runs[name], runs[reference], name)
 
 
 def test_a_stopped_and_resumed_run_gives_the_uninterrupted_one(runs):
