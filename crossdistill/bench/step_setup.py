@@ -131,8 +131,13 @@ def build_bench(args, caches: list[str] | None = None, env: Any = None) -> Bench
     cfg = bench_config(args, write_corpus(Path(workdir.name), args), caches)
     c = build_components(cfg, env)
     settings = StepSettings.of(cfg.train, c.device)
-    # the teachers' tokens per student token are counted on the timed steps' own batches
-    return Bench(cfg, c, iter(c.train_loader), settings, [], workdir, c.device)
+    bench = Bench(cfg, c, iter(c.train_loader), settings, [], workdir, c.device)
+    if all(s.stream is None for s in c.slots):
+        # a first look at the ratio (the timed steps count their own); the recorded results
+        # time the batches after this one. A separate teacher serves every batch in order, so
+        # there the student reads none apart.
+        bench.teacher_ratio = first_ratio(next(bench.loader))
+    return bench
 
 
 def first_ratio(batch) -> list[float]:

@@ -95,6 +95,8 @@ def base(tmp_path_factory, tokenizer_dir):
 
 
 def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "none"):
+    """The base config in run folder `name`, the teachers named in `separate` on processes of
+    their own."""
     root, cfg = base
     c = copy.deepcopy(cfg)
     c.run.out_dir = str(root / name)
@@ -108,23 +110,29 @@ def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "no
 def runs(base):
     """Every run once (each is a few seconds of training and a process start per rank)."""
     root, _ = base
-    cases = [  # (result, run folder, separate teachers, processes, stop after)
-        ("colocated", "colocated", (), 1, None),
-        ("qwen-separate", "qwen-separate", ("qwen",), 2, None),
-        ("both-separate", "both-separate", ("qwen", "phi"), 3, None),
-        ("stopped", "resumed", ("qwen",), 2, 2),
-        ("resumed", "resumed", ("qwen",), 2, None),  # the same folder, resumed
-        ("dp2-colocated", "dp2-colocated", (), 2, None),
-        ("dp2-separate", "dp2-separate", ("qwen",), 3, None),
-        ("dp2-colocated-tp2", "dp2-colocated-tp2", (), 2, None),
-        ("dp2-separate-tp2", "dp2-separate-tp2", ("qwen",), 4, None),
+    cases = [  # (result, separate teachers, processes, stop after, settings)
+        ("colocated", (), 1, None, {}),
+        ("qwen-separate", ("qwen",), 2, None, {}),
+        ("both-separate", ("qwen", "phi"), 3, None, {}),
+        ("stopped", ("qwen",), 2, 2, {}),
+        ("resumed", ("qwen",), 2, None, {}),  # the stopped run's folder, resumed
+        ("int8", ("qwen",), 2, None, {"payload": "int8"}),
+        ("dynamic-colocated", (), 1, None, {"mode": "dynamic"}),
+        ("dynamic-separate", ("qwen", "phi"), 3, None, {"mode": "dynamic"}),
+        ("dp2-colocated", (), 2, None, {}),
+        ("dp2-separate", ("qwen",), 3, None, {}),
+        ("dp2-separate-dp2", ("qwen",), 4, None, {"ranks": 2, "parallel": {"dp_shard": 2}}),
+        ("dp2-colocated-tp2", (), 2, None, {"ranks": 2, "parallel": {"tp": 2}}),
+        ("dp2-separate-tp2", ("qwen",), 4, None, {"ranks": 2, "parallel": {"tp": 2}}),
     ]
     out = {}
-    for i, (key, folder, separate, processes, stop) in enumerate(cases):
-        cfg = _variant(base, folder, separate)
-        if key.endswith("tp2"):  # the teacher tensor-parallel over 2 ranks (its own, or the
-            cfg.teachers[0].ranks = 2  # student's)
-            cfg.teachers[0].parallel = ParallelConfig(tp=2)
+    for i, (key, separate, processes, stop, settings) in enumerate(cases):
+        folder = "stopped" if key == "resumed" else key
+        cfg = _variant(base, folder, separate, settings.get("payload", "none"))
+        cfg.train.teacher_mode = settings.get("mode", "weighted")
+        # the qwen teacher on ranks of its own (or, colocated, over the student's) in a layout
+        cfg.teachers[0].ranks = settings.get("ranks", 1)
+        cfg.teachers[0].parallel = ParallelConfig(**settings.get("parallel", {}))
         _run(cfg, processes, root / f"errors{i}", stop_after=stop)
         out[key] = _metrics(Path(cfg.run.out_dir))
     return out
