@@ -219,6 +219,16 @@ def load_config(
     return from_dict(schema, raw)
 
 
+def apply_overrides(cfg: T, overrides: list[str]) -> T:
+    """`cfg` with `a.b=v` overrides applied, checked as a loaded config is."""
+    if not overrides:
+        return cfg
+    raw = to_dict(cfg)
+    for item in overrides:
+        _apply_override(raw, item)
+    return from_dict(type(cfg), raw)
+
+
 def from_dict(schema: type[T], raw: Any, where: str = "") -> T:
     """Build dataclass `schema` from a plain mapping, checking every key and type."""
     return _convert(schema, raw, where)

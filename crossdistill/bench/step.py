@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -108,6 +109,20 @@ def add_parser(subparsers) -> None:
         "(beside the live step, and the student alone for memory)",
     )
     p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a `crossdistill train` setting of the benchmark's run (repeatable), e.g. "
+        "student.parallel.tp=2 or teachers.0.parallel.dp_shard=2 under torchrun",
+    )
+    p.add_argument(
+        "--one-gpu-reference",
+        action="store_true",
+        help="under torchrun: first time the same command in one process on the first GPU "
+        "(layouts left out), and report the job's per-GPU rate beside it",
+    )
+    p.add_argument(
         "--teacher-placement",
         choices=["colocated", "separate"],
         default="colocated",
@@ -137,6 +152,76 @@ def _shape(model) -> Shape:
     n = total - emb.numel() + (head.numel() if head is emb else 0)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return Shape(n, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim)
+
+
+def job_rates(bench, result: dict) -> dict:
+    """The job's numbers from every process's: student tokens/s of the whole job (data ranks
+    summed; tensor- and context-parallel ranks share theirs), per GPU, and each rank's peak
+    memory. MFU is then per GPU."""
+    import torch
+    import torch.distributed as dist
+
+    c = bench.c
+    rate = torch.tensor([result["tokens_per_s"]], dtype=torch.float64, device=c.device)
+    total = float(c.placement.reduce_counts(rate)[0])
+    peaks: list[Any] = [None] * c.env.world_size
+    dist.all_gather_object(peaks, result.get("peak_gib"))
+    layouts = [c.placement.student.layout.describe()]
+    layouts += [p.layout.describe() for p in c.placement.teachers if p is not None]
+    return {
+        "tokens_per_s": total,
+        "per_gpu_tokens_per_s": total / c.env.world_size,
+        "processes": c.env.job_size,
+        "gpus": c.env.world_size if c.device.type == "cuda" else 0,
+        "peak_gib_per_rank": peaks,
+        "layout": "; ".join(layouts),
+    }
+
+
+def one_gpu_reference(args) -> dict | None:
+    """Under torchrun, the first process times the same command alone on its GPU first (the
+    other processes wait for it where the job's processes meet); None elsewhere."""
+    import subprocess
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or int(os.environ.get("RANK", "0")) != 0:
+        return None
+    argv = [a for a in sys.argv[1:] if a != "--one-gpu-reference"]
+    argv = _without_layouts(argv) + ([] if "--json" in argv else ["--json"])
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
+    if args.device.startswith("cuda"):
+        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
+    done = subprocess.run(
+        [sys.executable, "-m", "crossdistill", *argv], env=env, capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        from crossdistill.errors import UserError
+
+        raise UserError(f"the one-GPU reference run failed: {done.stderr.strip()[-500:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+_JOB_VARIABLES = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
+}  # fmt: skip
+
+
+def _without_layouts(argv: list[str]) -> list[str]:
+    """`argv` without `--set ...parallel...` items (one process has the one-rank layouts)."""
+    out: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--set" and i + 1 < len(argv) and ".parallel." in argv[i + 1]:
+            skip = True
+            continue
+        if a.startswith("--set=") and ".parallel." in a:
+            continue
+        out.append(a)
+    return out
 
 
 def _teacher_shape(slot) -> Shape:
@@ -212,6 +297,8 @@ def run(args: argparse.Namespace) -> int:
         result["speedup_vs_live"] = result["cached_tokens_per_s"] / result["tokens_per_s"]
     else:
         result = measure(args)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # the job reports once, from its first process
     if args.json:
         print(json.dumps(result))
     else:
@@ -232,6 +319,7 @@ def measure(
     from crossdistill.bench.step_setup import build_bench, timed_steps
     from crossdistill.distributed.streams import announce_start
 
+    reference = one_gpu_reference(args) if args.one_gpu_reference else None
     with build_bench(args, env=env) as bench:
         if env is not None:
             announce_start(env, 0, bench.cfg.train.teacher_timeout_s)
@@ -239,6 +327,13 @@ def measure(
         else:
             result = {}
         result.update(timed_steps(bench, args))
+        if bench.c.env.world_size > 1:
+            result.update(job_rates(bench, result))
+        if reference is not None:
+            result["one_gpu_tokens_per_s"] = reference["tokens_per_s"]
+            result["one_gpu_peak_gib"] = reference.get("peak_gib")
+            per_gpu = result.get("per_gpu_tokens_per_s", result["tokens_per_s"])
+            result["per_gpu_vs_one_gpu"] = per_gpu / reference["tokens_per_s"]
         bench.teacher_ratio = result["teacher_tokens_per_student_token"]
         shapes = Shapes(
             _shape(bench.c.student),
@@ -338,6 +433,11 @@ def print_table(result: dict) -> None:
         "target_wait_fraction",
         "processes",
         "gpus",
+        "layout",
+        "per_gpu_tokens_per_s",
+        "peak_gib_per_rank",
+        "one_gpu_tokens_per_s",
+        "per_gpu_vs_one_gpu",
         "attention",
         "student_loss_fraction",
         "student_loss_beyond_lm_head_fraction",

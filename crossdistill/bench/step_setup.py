@@ -21,7 +21,9 @@ from crossdistill.config import (
     StudentConfig,
     TeacherConfig,
     TrainConfig,
+    apply_overrides,
 )
+from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.step import StepSettings, train_step
 
@@ -121,7 +123,8 @@ def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
         teacher_padding=args.teacher_padding,
         loss_kernels=args.loss_kernels,
     )
-    return Config(student=student, teachers=teachers, data=data, optim=OptimConfig(), train=train)
+    cfg = Config(student=student, teachers=teachers, data=data, optim=OptimConfig(), train=train)
+    return apply_overrides(cfg, list(getattr(args, "set", None) or []))
 
 
 def build_bench(args, caches: list[str] | None = None, env: Any = None) -> Bench:
@@ -174,7 +177,7 @@ def next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
 def one_step(bench: Bench, window: list) -> None:
     c = bench.c
     train_step(c.student, c.slots, window, bench.settings, c.placement)
-    torch.nn.utils.clip_grad_norm_(c.student.parameters(), 1.0)
+    clip_grad_norm_(c.student.parameters(), 1.0)  # the trainer's (any layout)
     c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
 

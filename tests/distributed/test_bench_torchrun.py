@@ -1,0 +1,42 @@
+"""`crossdistill bench step` under torchrun (gloo, CPU): the job's rate, its rate per process
+and each rank's numbers in one report, beside the same command timed in one process first."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.distributed._harness import free_port
+
+pytestmark = pytest.mark.distributed
+
+
+def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir):
+    tok = {n: str(tokenizer_dir(n)) for n in ("llama3", "qwen3")}
+    command = [
+        "bench", "step", "--student-tokenizer", tok["llama3"], "--teacher", "qwen3-4b",
+        "--teacher-tokenizer", tok["qwen3"], "--tiny", "--device", "cpu", "--seq-len", "128",
+        "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json",
+        "--set", "student.parallel.tp=2", "--set", "teachers.0.parallel.dp_shard=2",
+        "--one-gpu-reference",
+    ]  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    launch += ["--master_port", str(free_port()), "-m", "crossdistill", *command]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1  # one report for the job
+    result = json.loads(lines[0])
+    assert result["processes"] == 2 and len(result["peak_gib_per_rank"]) == 2
+    assert "tp=2" in result["layout"] and "dp_shard=2" in result["layout"]
+    # one data rank (tp2): the job's rate is that rank's, per process half of it
+    assert result["per_gpu_tokens_per_s"] == pytest.approx(result["tokens_per_s"] / 2)
+    assert result["one_gpu_tokens_per_s"] > 0
+    assert result["per_gpu_vs_one_gpu"] == pytest.approx(
+        result["per_gpu_tokens_per_s"] / result["one_gpu_tokens_per_s"]
+    )
