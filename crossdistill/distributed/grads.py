@@ -53,7 +53,7 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> Te
 def _sum_squares(tensors: list[Tensor]) -> Tensor:
     """Σ x² over the tensors, accumulated in float64: the shards of one tensor are summed on
     different ranks, so float32 rounding would depend on the layout."""
-    norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64)  # one multi-tensor kernel
     return torch.stack(norms).pow(2).sum()
 
 
