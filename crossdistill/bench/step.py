@@ -154,76 +154,6 @@ def _shape(model) -> Shape:
     return Shape(n, cfg.num_hidden_layers, cfg.num_attention_heads * head_dim)
 
 
-def job_rates(bench, result: dict) -> dict:
-    """The job's numbers from every process's: student tokens/s of the whole job (data ranks
-    summed; tensor- and context-parallel ranks share theirs), per GPU, and each rank's peak
-    memory. MFU is then per GPU."""
-    import torch
-    import torch.distributed as dist
-
-    c = bench.c
-    rate = torch.tensor([result["tokens_per_s"]], dtype=torch.float64, device=c.device)
-    total = float(c.placement.reduce_counts(rate)[0])
-    peaks: list[Any] = [None] * c.env.world_size
-    dist.all_gather_object(peaks, result.get("peak_gib"))
-    layouts = [c.placement.student.layout.describe()]
-    layouts += [p.layout.describe() for p in c.placement.teachers if p is not None]
-    return {
-        "tokens_per_s": total,
-        "per_gpu_tokens_per_s": total / c.env.world_size,
-        "processes": c.env.job_size,
-        "gpus": c.env.world_size if c.device.type == "cuda" else 0,
-        "peak_gib_per_rank": peaks,
-        "layout": "; ".join(layouts),
-    }
-
-
-def one_gpu_reference(args) -> dict | None:
-    """Under torchrun, the first process times the same command alone on its GPU first (the
-    other processes wait for it where the job's processes meet); None elsewhere."""
-    import subprocess
-
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or int(os.environ.get("RANK", "0")) != 0:
-        return None
-    argv = [a for a in sys.argv[1:] if a != "--one-gpu-reference"]
-    argv = _without_layouts(argv) + ([] if "--json" in argv else ["--json"])
-    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
-    if args.device.startswith("cuda"):
-        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
-    done = subprocess.run(
-        [sys.executable, "-m", "crossdistill", *argv], env=env, capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        from crossdistill.errors import UserError
-
-        raise UserError(f"the one-GPU reference run failed: {done.stderr.strip()[-500:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-_JOB_VARIABLES = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
-}  # fmt: skip
-
-
-def _without_layouts(argv: list[str]) -> list[str]:
-    """`argv` without `--set ...parallel...` items (one process has the one-rank layouts)."""
-    out: list[str] = []
-    skip = False
-    for i, a in enumerate(argv):
-        if skip:
-            skip = False
-            continue
-        if a == "--set" and i + 1 < len(argv) and ".parallel." in argv[i + 1]:
-            skip = True
-            continue
-        if a.startswith("--set=") and ".parallel." in a:
-            continue
-        out.append(a)
-    return out
-
-
 def _teacher_shape(slot) -> Shape:
     """A teacher's shape; one that runs in another process is built on the meta device."""
     if slot.teacher is not None:
@@ -234,15 +164,6 @@ def _teacher_shape(slot) -> Shape:
 
     t = slot.cfg
     return _shape(build_meta_model(t.path, t.arch, dtype=torch.bfloat16, overrides=t.overrides))
-
-
-def _gpus(env) -> int:
-    """The GPUs a job uses (its processes share them where there are fewer)."""
-    import torch
-
-    if env.device.type != "cuda":
-        return 0
-    return min(env.job_size, torch.cuda.device_count())
 
 
 def _flops_per_student_token(s: Shape, teachers: list[tuple[Shape, float]], t_s: int) -> float:
@@ -281,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
     if args.teacher_placement == "separate":
         if args.teacher_cache or not args.teacher:
             raise UserError("--teacher-placement separate needs --teacher and no --teacher-cache")
-        from crossdistill.bench.step_separate import measure_separate
+        from crossdistill.bench.step_torchrun import measure_separate
 
         result = measure_separate(args, measure)
         if result is None:  # a teacher's process: the student's reports
@@ -317,13 +238,14 @@ def measure(
     keys get their MFU (a baseline's, on the same FLOPs per token). `env`: the student's
     process of a job with separate teachers (MFU is then per GPU the job uses)."""
     from crossdistill.bench.step_setup import build_bench, timed_steps
+    from crossdistill.bench.step_torchrun import gpus_of, job_rates, one_gpu_reference
     from crossdistill.distributed.streams import announce_start
 
     reference = one_gpu_reference(args) if args.one_gpu_reference else None
     with build_bench(args, env=env) as bench:
         if env is not None:
             announce_start(env, 0, bench.cfg.train.teacher_timeout_s)
-            result = {"processes": env.job_size, "gpus": _gpus(env)}
+            result = {"processes": env.job_size, "gpus": gpus_of(env)}
         else:
             result = {}
         result.update(timed_steps(bench, args))

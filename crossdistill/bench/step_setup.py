@@ -24,6 +24,7 @@ from crossdistill.config import (
     apply_overrides,
 )
 from crossdistill.distributed.grads import clip_grad_norm_
+from crossdistill.distributed.runtime import target_wait
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.step import StepSettings, train_step
 
@@ -193,7 +194,7 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     wait = 0.0
     counts = [0] * (1 + len(bench.c.slots))
     graphs = _graphs_compiled()
-    waited = target_wait(bench)
+    waited = target_wait(bench.c.slots)
     t0 = time.perf_counter()
     for _ in range(args.steps):
         w0 = time.perf_counter()
@@ -217,14 +218,8 @@ def timed_steps(bench: Bench, args) -> dict[str, float]:
     if dev.type == "cuda":
         out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     if waited is not None:  # separate teachers: the student's time spent waiting for targets
-        out["target_wait_fraction"] = (target_wait(bench) - waited) / total
+        out["target_wait_fraction"] = (target_wait(bench.c.slots) - waited) / total
     return out
-
-
-def target_wait(bench: Bench) -> float | None:
-    """Seconds the student has waited for separate teachers' targets (None without any)."""
-    waits = [s.stream.wait_s for s in bench.c.slots if s.stream is not None]
-    return sum(waits) if waits else None
 
 
 def _graphs_compiled() -> int:

@@ -78,6 +78,13 @@ def wants_cuda(device: str) -> bool:
     return cuda
 
 
+def job_size() -> int:
+    """The processes of this job: the caller's process group, or torchrun's `WORLD_SIZE`."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: str = "auto") -> DistEnv:
     """Join the job `torchrun` started (env vars `RANK`, `WORLD_SIZE`, `LOCAL_RANK`): nccl on
     CUDA, gloo on CPU; the process drives GPU `LOCAL_RANK`. A process group the caller started
@@ -85,7 +92,7 @@ def init_distributed(device: str = "auto") -> DistEnv:
     as given ("auto", "cpu", "cuda", "cuda:1"). A job with separate teachers starts through
     `streams.init_roles` instead."""
     joined = torch.distributed.is_available() and torch.distributed.is_initialized()
-    world = torch.distributed.get_world_size() if joined else int(os.environ.get("WORLD_SIZE", "1"))
+    world = job_size()
     cuda = wants_cuda(device)
     if world == 1:
         return DistEnv(

@@ -290,6 +290,12 @@ class Placement:
 _FIELDS = ("topk_ids", "topk_logprobs", "tail_logprob", "next_logprobs", "next_valid")
 
 
+def target_wait(slots: list[TeacherSlot]) -> float | None:
+    """Seconds this process has waited for separate teachers' targets (None without any)."""
+    waits = [s.stream.wait_s for s in slots if s.stream is not None]
+    return sum(waits) if waits else None
+
+
 def cached_of(batch: Any, k: int) -> Any:
     """Teacher `k`'s cached targets in `batch` (None when it runs live)."""
     cached = getattr(batch, "cached", None)

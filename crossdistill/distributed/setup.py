@@ -30,6 +30,14 @@ class RunLayouts:
     teachers: list[ParallelLayout]
     separate: list[bool]  # per teacher: on ranks of its own (teachers.N.placement)
 
+    def teacher_of(self, role: int) -> int:
+        """The teacher index of role `role` (role i + 1: the i-th separate teacher)."""
+        return [k for k, sep in enumerate(self.separate) if sep][role - 1]
+
+    def role_of(self, k: int) -> int:
+        """The role of separate teacher `k`."""
+        return sum(self.separate[: k + 1])
+
 
 def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> RunLayouts:
     """Every model's layout, checked against the job's processes (`world_size`: all of them,
@@ -78,15 +86,10 @@ def build_placement(
             for t, sep in zip(layouts.teachers, layouts.separate)
         ]
         return Placement(env, student, teachers, teacher_padding)
-    k = separate_index(layouts.separate, env.role)
+    k = layouts.teacher_of(env.role)
     teachers: list[Placed | None] = [None] * len(layouts.teachers)
     teachers[k] = Placed(layouts.teachers[k], mesh_for(layouts.teachers[k], kind))
     return Placement(env, None, teachers, teacher_padding)
-
-
-def separate_index(separate: list[bool], role: int) -> int:
-    """The teacher index of role `role` (role i + 1: the i-th separate teacher)."""
-    return [k for k, sep in enumerate(separate) if sep][role - 1]
 
 
 def teacher_model(cfg: Config, k: int, placed: Placed, device: torch.device) -> nn.Module:

@@ -38,7 +38,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from crossdistill.config import Config, Quantization
-from crossdistill.distributed.layout import DistEnv, ParallelLayout, init_distributed, wants_cuda
+from crossdistill.distributed.layout import (
+    DistEnv,
+    ParallelLayout,
+    init_distributed,
+    job_size,
+    wants_cuda,
+)
 from crossdistill.errors import UserError
 from crossdistill.losses import TeacherTargets, kd_positions
 from crossdistill.losses.payload import batch_id, pack_targets, payload_nbytes, unpack_targets
@@ -84,7 +90,7 @@ def init_roles(device: str, separate: tuple[int, ...]) -> DistEnv:
             "separate teachers split the job into roles when it starts; start the job with "
             "torchrun (no process group of the caller's)"
         )
-    return _join_roles(int(os.environ.get("WORLD_SIZE", "1")), separate, wants_cuda(device))
+    return _join_roles(job_size(), separate, wants_cuda(device))
 
 
 def _join_roles(world: int, separate: tuple[int, ...], cuda: bool) -> DistEnv:

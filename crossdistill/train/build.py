@@ -171,13 +171,12 @@ def target_streams(
     from crossdistill.distributed.streams import TargetStream, teacher_source
 
     out: list[Any] = []
-    role = 0
     for k, t in enumerate(cfg.teachers):
         if not layouts.separate[k]:
             out.append(None)
             continue
-        role += 1
-        source = teacher_source(data_rank, layouts.teachers[k], env.role_start(role))
+        start = env.role_start(layouts.role_of(k))
+        source = teacher_source(data_rank, layouts.teachers[k], start)
         top_k = min(t.top_k, resolved_t[k].hf_config.vocab_size)  # as the teacher computes it
         timeout = cfg.train.teacher_timeout_s
         out.append(TargetStream(env.link, t.name, source, top_k, t.payload, t.temperature, timeout))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from pathlib import Path
 
@@ -19,7 +18,8 @@ import torch
 
 from crossdistill.config import Config, save_config
 from crossdistill.distributed.grads import clip_grad_norm_
-from crossdistill.distributed.layout import DistEnv
+from crossdistill.distributed.layout import DistEnv, job_size
+from crossdistill.distributed.runtime import target_wait
 from crossdistill.distributed.streams import announce_start, init_roles, separate_ranks
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
@@ -107,7 +107,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
             )
         batches = iter(c.train_loader)
         t_last, tokens = time.perf_counter(), 0
-        waited_last = _target_wait(c.slots) or 0.0
+        waited_last = target_wait(c.slots) or 0.0
         for step in range(start_step, cfg.train.steps):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
@@ -135,7 +135,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                     )
             if finite and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
                 now = time.perf_counter()
-                waited = _target_wait(c.slots)
+                waited = target_wait(c.slots)
                 metrics.update(
                     grad_norm=grad_norm,
                     lr=c.scheduler.get_last_lr()[0],
@@ -157,19 +157,6 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
     saver.wait()  # the checkpoint group's collectives: the background save's first, then ours
     export_hf(c.student, c.tok_s, run_dir / "final", c.fused)
     return final
-
-
-def job_size() -> int:
-    """The processes of this job (torchrun's WORLD_SIZE, or the caller's process group)."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _target_wait(slots) -> float | None:
-    """Seconds this process has waited for separate teachers' targets (None without any)."""
-    waits = [s.stream.wait_s for s in slots if s.stream is not None]
-    return sum(waits) if waits else None
 
 
 def eval_tasks(c, cfg: Config) -> dict[str, float]:

@@ -19,7 +19,7 @@ import torch
 from crossdistill.config import Config
 from crossdistill.distributed.layout import DistEnv
 from crossdistill.distributed.runtime import TeacherSlot, cached_of
-from crossdistill.distributed.setup import separate_index, teacher_model
+from crossdistill.distributed.setup import teacher_model
 from crossdistill.distributed.streams import TargetSender, await_start, student_ranks_of
 from crossdistill.models import Teacher
 from crossdistill.train.build import plan_run
@@ -35,7 +35,7 @@ def serve_teacher(
     `validate=False`: the student runs no validation (a benchmark's timed steps)."""
     torch.manual_seed(cfg.train.seed)
     run = plan_run(cfg, env)
-    k = separate_index(run.layouts.separate, env.role)
+    k = run.layouts.teacher_of(env.role)
     tcfg, place = cfg.teachers[k], run.placement
     placed = place.teachers[k]
     student = run.layouts.student
