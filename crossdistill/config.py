@@ -45,6 +45,8 @@ CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 Quantization = Literal["int8", "none"]
 # where a teacher runs under torchrun: on the student's ranks, or on ranks of its own
 TeacherPlacement = Literal["colocated", "separate"]
+# Pipeline schedules of the student's stages (`distributed/pipeline.py`)
+PipelineSchedule = Literal["1F1B", "GPipe"]
 MISSING_REQUIRED = "???"
 
 
@@ -57,6 +59,8 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP2 sharding degree; -1: world / (dp_replicate * tp * cp)
     tp: int = 1  # tensor parallel
     cp: int = 1  # context (sequence) parallel
+    pp: int = 1  # pipeline stages (the student only; combines with dp_replicate / dp_shard)
+    pp_schedule: PipelineSchedule = "1F1B"  # needs train.grad_accum >= pp micro-batches
 
 
 @dataclass

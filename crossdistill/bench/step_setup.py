@@ -23,7 +23,6 @@ from crossdistill.config import (
     TrainConfig,
     apply_overrides,
 )
-from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.runtime import target_wait
 from crossdistill.train.build import Components, build_components
 from crossdistill.train.step import StepSettings, train_step
@@ -178,7 +177,7 @@ def next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
 def one_step(bench: Bench, window: list) -> None:
     c = bench.c
     train_step(c.student, c.slots, window, bench.settings, c.placement)
-    clip_grad_norm_(c.student.parameters(), 1.0)  # the trainer's (any layout)
+    c.placement.clip_grads(c.student, 1.0)  # the trainer's (any layout)
     c.optimizer.step()
     c.optimizer.zero_grad(set_to_none=True)
 

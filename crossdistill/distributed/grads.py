@@ -15,22 +15,33 @@ to ~1e-7. Scaling is torch's: `g *= min(1, max_norm / (norm + 1e-6))`.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    *,
+    counted: Iterable[torch.nn.Parameter] | None = None,
+    across: Any = None,
+) -> Tensor:
     """Scale gradients in place so that their global 2-norm is at most `max_norm`; returns the
-    norm before clipping (float32, the same on every rank)."""
+    norm before clipping (float32, the same on every rank). `counted`: the parameters whose
+    gradients make the norm (default: all; a copy held twice counts once); `across`: a process
+    group whose ranks hold other parameters (pipeline stages): their squares are added."""
+    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    counted_grads = grads if counted is None else [p.grad for p in counted if p.grad is not None]
     groups: dict[tuple, list[Tensor]] = {}
     plain: list[Tensor] = []
-    for g in grads:
+    for g in counted_grads:
         if isinstance(g, DTensor):
             groups.setdefault((id(g.device_mesh), tuple(g.placements)), []).append(g)
         else:
@@ -43,7 +54,11 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> Te
             local_sq.reshape(1), members[0].device_mesh, _partial(members[0].placements)
         ).full_tensor()
         squares.append(total.reshape(()))
-    total_norm = torch.stack(squares).sum().sqrt().float()
+    total_sq = torch.stack(squares).sum() if squares else torch.zeros((), dtype=torch.float64)
+    if across is not None:
+        total_sq = total_sq.to(grads[0].device)
+        dist.all_reduce(total_sq, group=across)
+    total_norm = total_sq.sqrt().float()
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     torch._foreach_mul_(local, clip_coef.to(local[0].dtype))

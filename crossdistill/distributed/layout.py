@@ -3,13 +3,15 @@
 A `ParallelLayout` holds the degrees (data-parallel replicate and shard, context, tensor),
 checks them against the world size and the model, and builds ONE named `DeviceMesh` per layout:
 
-    axes (outer -> inner): dp_replicate, dp_shard, cp, tp
+    axes (outer -> inner): pp, dp_replicate, dp_shard, cp, tp
     flattened:             dp       = dp_replicate x dp_shard   (who reads which data)
                            fsdp     = dp_shard x cp             (who shards parameters)
                            loss     = dp_replicate x dp_shard x cp   (who holds a part of the loss)
                            cp_tp    = cp x tp                   (who runs one forward together)
 
-`tp` is innermost so that a tensor-parallel group is a set of neighbouring ranks (one node).
+`tp` is innermost so that a tensor-parallel group is a set of neighbouring ranks (one node);
+`pp` (the student's pipeline stages, `distributed/pipeline.py`) is outermost, so each stage is
+a plain layout of `world / pp` ranks and stages exchange only hidden states.
 The student and each teacher get their own layout over the same ranks; everything else asks the
 layout (or its mesh) for ranks, sizes and process groups.
 """
@@ -25,7 +27,7 @@ import torch
 from crossdistill.config import ParallelConfig
 from crossdistill.errors import UserError
 
-AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class ParallelLayout:
     cp: int = 1
     tp: int = 1
     label: str = "student"
+    pp: int = 1
 
     @classmethod
     def from_config(
@@ -128,34 +131,40 @@ class ParallelLayout:
     ) -> ParallelLayout:
         """Resolve `dp_shard = -1` (the ranks the other degrees leave) and check the product."""
         where = f"{label}.parallel"
-        for name in ("dp_replicate", "tp", "cp"):
+        for name in ("dp_replicate", "tp", "cp", "pp"):
             if getattr(cfg, name) < 1:
                 raise UserError(f"{where}.{name} must be >= 1, got {getattr(cfg, name)}")
         if cfg.dp_shard < 1 and cfg.dp_shard != -1:
             raise UserError(f"{where}.dp_shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
-        others = cfg.dp_replicate * cfg.cp * cfg.tp
+        pp = getattr(cfg, "pp", 1)
+        if pp > 1 and (cfg.tp > 1 or cfg.cp > 1):
+            raise UserError(
+                f"{where}.pp = {pp} with tp = {cfg.tp}, cp = {cfg.cp}: pipeline stages combine "
+                "with data parallelism (dp_replicate, dp_shard) only; set tp and cp to 1"
+            )
+        others = pp * cfg.dp_replicate * cfg.cp * cfg.tp
         shard = cfg.dp_shard
         if shard == -1:
             if world_size % others:
                 raise UserError(
-                    f"{where}: dp_replicate x cp x tp = {cfg.dp_replicate} x {cfg.cp} x {cfg.tp} "
-                    f"= {others} does not divide the world size {world_size}; the product of the "
-                    "degrees must equal the number of processes"
+                    f"{where}: pp x dp_replicate x cp x tp = {pp} x {cfg.dp_replicate} x "
+                    f"{cfg.cp} x {cfg.tp} = {others} does not divide the world size "
+                    f"{world_size}; the product of the degrees must equal the number of processes"
                 )
             shard = world_size // others
-        layout = cls(cfg.dp_replicate, shard, cfg.cp, cfg.tp, label)
+        layout = cls(cfg.dp_replicate, shard, cfg.cp, cfg.tp, label, pp)
         if layout.world_size != world_size:
             raise UserError(
-                f"{where}: dp_replicate x dp_shard x cp x tp = {cfg.dp_replicate} x {shard} x "
-                f"{cfg.cp} x {cfg.tp} = {layout.world_size}, but the job has {world_size} "
-                "processes; the product of the degrees must equal the world size (dp_shard=-1 "
-                "takes what the others leave)"
+                f"{where}: pp x dp_replicate x dp_shard x cp x tp = {pp} x {cfg.dp_replicate} x "
+                f"{shard} x {cfg.cp} x {cfg.tp} = {layout.world_size}, but the job has "
+                f"{world_size} processes; the product of the degrees must equal the world size "
+                "(dp_shard=-1 takes what the others leave)"
             )
         return layout
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -163,12 +172,19 @@ class ParallelLayout:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def shape(self) -> tuple[int, int, int, int]:
-        return (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def check_model(self, hf_config: Any) -> None:
         """Refuse a layout the model's shapes cannot take: attention and key/value heads must
-        split evenly over `tp` (each rank computes whole heads)."""
+        split evenly over `tp` (each rank computes whole heads); each pipeline stage needs a
+        block."""
+        blocks = getattr(hf_config, "num_hidden_layers", None)
+        if blocks is not None and self.pp > blocks:
+            raise UserError(
+                f"{self.label}.parallel.pp = {self.pp} is larger than the model's {blocks} "
+                f"blocks; each pipeline stage needs at least one block: choose pp <= {blocks}"
+            )
         heads = getattr(hf_config, "num_attention_heads", None)
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
         where = f"{self.label}.parallel.tp"
@@ -212,8 +228,9 @@ class ParallelLayout:
         return NamedMesh(root, flat)
 
     def describe(self) -> str:
+        stages = f"pp={self.pp} " if self.pp > 1 else ""
         return (
-            f"{self.label}: dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
+            f"{self.label}: {stages}dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
             f"cp={self.cp} tp={self.tp}"
         )
 

@@ -49,8 +49,12 @@ def build_parallel_model(
     compile_blocks: bool = False,
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
+    stage: int = 0,
 ) -> nn.Module:
-    """The model of `mcfg` under `layout` on this rank (see module doc)."""
+    """The model of `mcfg` under `layout` on this rank (see module doc); under pipeline
+    parallelism (`layout.pp` > 1) the part of pipeline stage `stage` only."""
+    from crossdistill.distributed.pipeline import keep_stage
+
     dtype = parse_dtype(mcfg.dtype)
     options = {
         "trainable": trainable,
@@ -72,6 +76,7 @@ def build_parallel_model(
             seed=seed,
         )
         layout.check_model(model.config)
+        keep_stage(model, stage, layout.pp)
         return parallelize_model(model, layout, mesh, **options)
     model = build_meta_model(
         mcfg.path,
@@ -81,6 +86,7 @@ def build_parallel_model(
         attn_implementation=mcfg.attn_implementation,
     )
     layout.check_model(model.config)
+    keep_stage(model, stage, layout.pp)
     parallelize_model(model, layout, mesh, **options)
     materialize(model, device)
     load_local_shards(model, mcfg.path, fused_params(model, model.config, layout.tp))

@@ -18,14 +18,15 @@ from torch import nn
 from crossdistill.distributed.layout import ParallelLayout
 from crossdistill.distributed.tp_plans import family_plan, fused_params
 from crossdistill.models.attention import set_attention
-from crossdistill.models.forward import decoder_of, final_hidden
+from crossdistill.models.forward import HeldElsewhere, decoder_of, final_hidden
 
 HIDDEN_METHOD = "forward_hidden"
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The transformer blocks of a causal LM."""
-    return decoder_of(model).layers
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a causal LM that this rank holds (a pipeline stage holds
+    some; `pipeline.keep_stage`)."""
+    return [b for b in decoder_of(model).layers if not isinstance(b, HeldElsewhere)]
 
 
 def apply_tp(model: nn.Module, tp_mesh: Any) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from crossdistill.config import TeacherConfig
 from crossdistill.distributed import cp as cpmod
+from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.distributed.streams import TargetStream
@@ -111,6 +112,7 @@ class Placement:
         self.teachers = teachers
         self.device = env.device
         self.teacher_padding = teacher_padding
+        self.pipeline: Any = None  # the student's `StudentPipeline` where it has stages
         reader = student or next(t for t in teachers if t is not None)
         self.data_rank = reader.rank("dp")
         self.data_size = reader.layout.dp
@@ -258,6 +260,18 @@ class Placement:
         """The lm_head weight this rank holds (`[V_s, H]` or a vocabulary shard) and the vocab
         sharding to pass to `student_loss` (None: the whole vocabulary)."""
         return local_vocab(student.get_output_embeddings().weight, self.student.group("tp"))
+
+    def clip_grads(self, student: nn.Module, max_norm: float) -> Tensor:
+        """Clip the student's gradients to a global 2-norm of `max_norm` (every rank the same
+        norm, whatever the layout); returns the norm before clipping. Pipeline stages first add
+        the gradients of a tied embedding, and sum their squares over the stages."""
+        pipe = self.pipeline
+        if pipe is None:
+            return clip_grad_norm_(student.parameters(), max_norm)
+        pipe.sync_tied_grads()
+        return clip_grad_norm_(
+            student.parameters(), max_norm, counted=pipe.norm_parameters(), across=pipe.group
+        )
 
     # ------------------------------------------------------------------ reductions
 

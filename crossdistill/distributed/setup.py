@@ -13,6 +13,8 @@ from torch import nn
 from crossdistill.config import Config, ModelConfig, ParallelConfig
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.loading import build_parallel_model
+from crossdistill.distributed.parallelize import fsdp_mesh
+from crossdistill.distributed.pipeline import StudentPipeline
 from crossdistill.distributed.runtime import Placed, Placement, TeacherPadding, mesh_for
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
@@ -50,10 +52,18 @@ def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> Ru
     student = ParallelLayout.from_config(parallel_config(cfg.student), student_ranks, "student")
     student.check_model(hf_s)
     student.check_sequence(cfg.data.seq_len, "data.seq_len")
+    if student.pp > 1:
+        _check_pipeline(cfg, student.pp, separate)
     teachers = []
     for i, (tcfg, hf) in enumerate(zip(cfg.teachers, hf_t)):
         ranks = tcfg.ranks if separate[i] else student_ranks
         layout = ParallelLayout.from_config(parallel_config(tcfg), ranks, f"teachers.{i}")
+        if layout.pp > 1:
+            raise UserError(
+                f"teachers.{i}.parallel.pp = {layout.pp}: pipeline stages are for the student "
+                "(a frozen teacher runs forward only); lay the teacher out with dp_shard, tp "
+                "or cp, or give it ranks of its own (teachers.N.placement: separate)"
+            )
         layout.check_model(hf)
         # teacher rows are padded to a multiple of data.pad_multiple
         layout.check_sequence(cfg.data.pad_multiple, "data.pad_multiple")
@@ -70,6 +80,20 @@ def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> Ru
             )
         teachers.append(layout)
     return RunLayouts(student, teachers, separate)
+
+
+def _check_pipeline(cfg: Config, pp: int, separate: list[bool]) -> None:
+    if cfg.train.grad_accum < pp:
+        raise UserError(
+            f"student.parallel.pp = {pp} stages need at least {pp} micro-batches per step on "
+            f"each data rank, but train.grad_accum = {cfg.train.grad_accum}; raise "
+            f"train.grad_accum to >= {pp} (a multiple of pp keeps every stage busy)"
+        )
+    if any(separate):
+        raise UserError(
+            f"student.parallel.pp = {pp} with a separate teacher is not supported; place the "
+            "teachers colocated (teachers.N.placement: colocated) or set pp = 1"
+        )
 
 
 def build_placement(
@@ -135,10 +159,35 @@ def parallel_models(
         compile_blocks=bool(getattr(s, "compile", False)),
         reshard_after_forward=reshard_after_forward,
         param_dtype=param_dtype,
+        stage=placement.student.rank("pp"),
     )
     teachers = [
         None if placed is None or t.cache is not None else teacher_model(cfg, k, placed, dev)
         for k, (t, placed) in enumerate(zip(cfg.teachers, placement.teachers))
     ]
-    fused = fused_params(student, student.config, placement.student.layout.tp)
+    layout = placement.student.layout
+    if layout.pp > 1:
+        placement.pipeline = student_pipeline(cfg, student, placement, param_dtype)
+    fused = fused_params(student, student.config, layout.tp)
     return student, teachers, fused
+
+
+def student_pipeline(
+    cfg: Config, student: nn.Module, placement: Placement, param_dtype: torch.dtype | None
+) -> StudentPipeline:
+    """The schedule of the student's pipeline stage on this rank. Hidden states pass between
+    stages in the dtype the blocks compute in: FSDP's gather dtype where FSDP shards the
+    student, else its weights' dtype."""
+    placed = placement.student
+    sharded = fsdp_mesh(placed.layout, placed.mesh, trainable=True) is not None
+    weights = next(student.parameters()).dtype
+    return StudentPipeline(
+        student,
+        placed.mesh,
+        placement.device,
+        parallel_config(cfg.student).pp_schedule,
+        rows=cfg.data.micro_batch_size,
+        length=cfg.data.seq_len,
+        dtype=param_dtype if sharded and param_dtype is not None else weights,
+        tied=bool(getattr(student.config, "tie_word_embeddings", False)),
+    )

@@ -27,6 +27,14 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return model.model
 
 
+class HeldElsewhere(nn.Module):
+    """A transformer block (or final norm) that another pipeline stage holds: it holds nothing
+    and passes the hidden states through, so the model's own forward runs this stage's part."""
+
+    def forward(self, hidden_states: Tensor, *args, **kwargs) -> Tensor:
+        return hidden_states
+
+
 def final_hidden(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -35,13 +43,13 @@ def final_hidden(
 ) -> torch.Tensor:
     """`[B, T] -> [B, T, H]`: hidden states after the final norm, documents kept apart by
     `position_ids` (see module doc). `segments`: the batch's `(cu_seqlens, max_seqlen)` from the
-    collator, which varlen attention uses instead of deriving them (a host sync)."""
+    collator, which varlen attention uses instead of deriving them (a host sync). Floating-point
+    `input_ids` are hidden states from an earlier pipeline stage (`[B, T, H]`, no embedding)."""
     varlen = getattr(model.config, "_attn_implementation", None) == VARLEN
     use = varlen and segments is not None and segments[0] is not None
     extra = segment_kwargs(*segments) if use else {}
-    out = decoder_of(model)(
-        input_ids=input_ids, position_ids=position_ids, use_cache=False, **extra
-    )
+    inputs = {"inputs_embeds" if input_ids.is_floating_point() else "input_ids": input_ids}
+    out = decoder_of(model)(**inputs, position_ids=position_ids, use_cache=False, **extra)
     return out.last_hidden_state
 
 

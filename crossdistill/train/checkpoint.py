@@ -736,29 +736,44 @@ def check_same_student(
 # ----------------------------------------------------------------------------- export
 
 
-def full_state_on_rank0(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's full state dict on CPU on rank 0 (empty elsewhere), gathered once."""
+def full_state_on_rank0(model: torch.nn.Module, stages: Any = None) -> dict[str, torch.Tensor]:
+    """The model's full state dict on CPU on rank 0 (empty elsewhere), gathered once.
+    `stages`: the pipeline group of a model split into stages; each stage's part is gathered
+    within its data-parallel group, then the stages' parts on the first stage."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     if not _dist():  # one process holds it all already
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+    if stages is None:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return get_model_state_dict(model, options=options)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    part = {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
+    first = torch.distributed.get_group_rank(stages, torch.distributed.get_rank()) == 0
+    parts: list[Any] = [None] * torch.distributed.get_world_size(stages) if first else []
+    torch.distributed.gather_object(part, parts if first else None, group=stages, group_dst=0)
+    if _rank() != 0:
+        return {}
+    return {k: v for p in parts for k, v in p.items()}
 
 
 def export_hf(
-    model: torch.nn.Module, tokenizer: Any, out: Path, fused: Mapping[str, torch.Tensor]
+    model: torch.nn.Module,
+    tokenizer: Any,
+    out: Path,
+    fused: Mapping[str, torch.Tensor],
+    stages: Any = None,
 ) -> None:
     """The student as a plain Hugging Face folder (`save_pretrained` + its tokenizer), written
     by rank 0 from the full weights gathered once; fused tensor-parallel rows are put back in
     Hugging Face order (`fused`: their orders, see `distributed/tp_plans.py`). Called by every
     rank, with no background save in flight (`Checkpointer.wait` first: both use the checkpoint
-    group)."""
+    group). `stages`: the pipeline group where the model is split into stages."""
     import copy
 
     from transformers import AutoModelForCausalLM
 
-    state = full_state_on_rank0(model)
+    state = full_state_on_rank0(model, stages)
     if _rank() == 0:
         for name, order in fused.items():
             if name in state:

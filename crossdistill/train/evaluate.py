@@ -63,23 +63,34 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
             if slot.cfg.name not in c.teacher_bpb:
                 add(whole, f"tnll/{slot.cfg.name}", next_token_nll(targets)[0])
                 add(whole, f"tbytes/{slot.cfg.name}", target_bytes(tb, dev))
+        add(whole, "bytes", batch.student.target_bytes.to(dev).sum())
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
-            hidden, rows = place.student_hidden(c.student, batch.student)
-        lm_head, vocab = place.lm_head(c.student)
-        _, metrics = student_loss(
-            hidden,
-            lm_head,
-            labels,
-            terms,
-            kd_ratio=0.5,
-            ce_denominator=torch.ones((), device=dev),
-            chunk_size=cfg.train.loss_chunk_size,
-            **shard_kwargs(rows, vocab),
-            fused=fused,
-        )
+            if place.pipeline is None:
+                hidden, rows = place.student_hidden(c.student, batch.student)
+            else:  # the stages hand the batch on; the last one scores it
+                hidden, rows = place.pipeline.forward(batch.student), None
+        part_keys = ["ce", "num_ce"] + [
+            f"{m}/{s.cfg.name}" for m in ("kd", "top1") for s in c.slots
+        ]
+        if hidden is None:  # an earlier pipeline stage: adds zeros to the stages' sum
+            metrics = dict.fromkeys(part_keys, torch.zeros((), device=dev))
+        else:
+            if place.pipeline is not None:
+                hidden = hidden.flatten(0, 1)
+            lm_head, vocab = place.lm_head(c.student)
+            _, metrics = student_loss(
+                hidden,
+                lm_head,
+                labels,
+                terms,
+                kd_ratio=0.5,
+                ce_denominator=torch.ones((), device=dev),
+                chunk_size=cfg.train.loss_chunk_size,
+                **shard_kwargs(rows, vocab),
+                fused=fused,
+            )
         add(parts, "ce_sum", metrics["ce"])
         add(parts, "ce_n", metrics["num_ce"])
-        add(whole, "bytes", batch.student.target_bytes.to(dev).sum())
         for slot in c.slots:
             add(parts, f"kd/{slot.cfg.name}", metrics[f"kd/{slot.cfg.name}"])
             add(parts, f"top1/{slot.cfg.name}", metrics[f"top1/{slot.cfg.name}"])
@@ -87,7 +98,10 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
         if s.teacher is not None and s.teacher.offload:
             s.teacher.to("cpu")
     c.student.train(was_training)
-    sums = {**_reduced(whole, place.reduce_counts), **_reduced(parts, place.reduce_sums)}
+    parts = _reduced(parts, place.reduce_sums)
+    if place.pipeline is not None:  # the loss sums are the last stage's
+        parts = _reduced(parts, place.pipeline.sum_over_stages)
+    sums = {**_reduced(whole, place.reduce_counts), **parts}
     return _finish(c, sums)
 
 

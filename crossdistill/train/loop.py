@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from crossdistill.config import Config, save_config
-from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.layout import DistEnv, job_size
 from crossdistill.distributed.runtime import target_wait
 from crossdistill.distributed.streams import announce_start, init_roles, separate_ranks
@@ -112,7 +111,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
             metrics = train_step(c.student, c.slots, window, settings, c.placement)
-            grad_norm = clip_grad_norm_(c.student.parameters(), cfg.optim.grad_clip)
+            grad_norm = c.placement.clip_grads(c.student, cfg.optim.grad_clip)
             # one host sync per step, outside the loss: a non-finite step is skipped
             finite = bool(torch.isfinite(metrics["loss"]) & torch.isfinite(grad_norm))
             done = step + 1
@@ -155,7 +154,10 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
             if stop_after is not None and done - start_step >= stop_after:
                 return final
     saver.wait()  # the checkpoint group's collectives: the background save's first, then ours
-    export_hf(c.student, c.tok_s, run_dir / "final", c.fused)
+    stages = c.placement.pipeline
+    export_hf(
+        c.student, c.tok_s, run_dir / "final", c.fused, None if stages is None else stages.group
+    )
     return final
 
 
@@ -221,9 +223,11 @@ def _save(c: Components, step: int, saver: Checkpointer) -> None:
         "world_size": c.env.world_size,
         "data_size": p.data_size,
         "student_tp": p.student.layout.tp,
+        "student_pp": p.student.layout.pp,
         "student_config": student_shape(c.student),
     }
-    first_of_data_rank = p.student.rank("cp_tp") == 0  # tensor/context ranks share the data
+    # tensor/context ranks and pipeline stages share the data
+    first_of_data_rank = p.student.rank("cp_tp") == 0 and p.student.rank("pp") == 0
     data = (p.data_rank, c.train_loader.state_dict()) if first_of_data_rank else None
     saver.save(step, {"model": model, "optimizer": optimizer}, meta, data, capture_rng_state())
 

@@ -9,13 +9,14 @@ Order of work, and why:
    ranks by the placement) so each term is `sum / global count`: gradient accumulation
    and data parallelism do not change the loss or its gradient;
 3. the student runs micro-batch by micro-batch: forward to hidden states, the chunked lm_head +
-   loss pass, backward.
+   loss pass, backward (pipeline stages: the schedule's order, the loss on the last stage).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -136,12 +137,12 @@ def train_step(
             s.teacher.to("cpu")
 
     total: dict[str, Tensor] = {}
-    for i, mb in enumerate(micro_batches):
+
+    def loss_of(i: int, hidden: Tensor, rows: Any = None) -> Tensor:
+        """Micro-batch i's loss from its final hidden states `[N, H]` (metrics added to total)."""
         for k, term in enumerate(terms[i]):
             term.denominator = kd_dens[k]
             term.weight = weights[k]
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
-            hidden, rows = place.student_hidden(student, mb.student)
         lm_head, vocab = place.lm_head(student)  # after the forward: FSDP has gathered it
         # under autocast too: the lm_head matmuls run in bf16 (fp32 master weight cast once
         # per chunk pass), with fp32 softmax and accumulation inside the loss
@@ -155,13 +156,26 @@ def train_step(
                 ce_denominator=ce_den,
                 chunk_size=settings.loss_chunk_size,
                 **shard_kwargs(rows, vocab),
-                unit_upstream=True,  # backpropagated as is, right below
+                unit_upstream=True,  # backpropagated as is
                 fused=settings.fused,
             )
-        loss.backward()
         for name, value in metrics.items():
             total[name] = total.get(name, 0) + value.detach()
+        return loss
+
+    if place.pipeline is not None:  # the stages run the micro-batches in the schedule's order
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+            place.pipeline.train(
+                [mb.student for mb in micro_batches], lambda i, h: loss_of(i, h.flatten(0, 1))
+            )
+    else:
+        for i, mb in enumerate(micro_batches):
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+                hidden, rows = place.student_hidden(student, mb.student)
+            loss_of(i, hidden, rows).backward()
     total = place.reduce_metrics(total)
+    if place.pipeline is not None:  # the loss ran on the last stage
+        total = place.pipeline.share(total)
     for k, s in enumerate(slots):
         total[f"teacher_bpb/{s.cfg.name}"] = npb[k] / LN2
         w = weights[k]  # a float (static weights) is filled in place: a copy would synchronize

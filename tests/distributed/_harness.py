@@ -190,10 +190,11 @@ def with_layouts(cfg: Config, layouts: Layouts) -> Config:
     return cfg
 
 
-def run_steps(cfg: Config, sc: Scenario, steps: int = STEPS) -> list[tuple[float, float]]:
-    """(loss, grad norm) of `steps` optimizer steps on `batches` (WINDOW per step), in the
+def run_steps(
+    cfg: Config, sc: Scenario, steps: int = STEPS, window: int = WINDOW
+) -> list[tuple[float, float]]:
+    """(loss, grad norm) of `steps` optimizer steps on `batches` (`window` per step), in the
     layouts of `cfg` (one process: the one-rank layouts, through the same code)."""
-    from crossdistill.distributed.grads import clip_grad_norm_
     from crossdistill.distributed.layout import init_distributed
     from crossdistill.distributed.runtime import TeacherSlot
     from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
@@ -222,10 +223,10 @@ def run_steps(cfg: Config, sc: Scenario, steps: int = STEPS) -> list[tuple[float
     optimizer = build_optimizer(student, cfg.optim)
     out = []
     for step in range(steps):
-        window = sc.batches[step * WINDOW : (step + 1) * WINDOW]
-        mine = [mb for j, mb in enumerate(window) if j % data_size == data_rank]
+        batches = sc.batches[step * window : (step + 1) * window]
+        mine = [mb for j, mb in enumerate(batches) if j % data_size == data_rank]
         metrics = train_step(student, slots, mine, settings, placement)
-        norm = clip_grad_norm_(student.parameters(), cfg.optim.grad_clip)
+        norm = placement.clip_grads(student, cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out.append((float(metrics["loss"]), float(norm)))

@@ -1,0 +1,240 @@
+"""Pipeline-parallel students on CPU (gloo) against one process: the student's blocks split
+into two stages (1F1B and GPipe schedules), with data parallelism (pp2 x dp2 on four ranks), and
+with teachers laid out differently from the student; 20 optimizer steps of 4 micro-batches in
+float32 must give the single-process loss and gradient norm to 1e-5 relative. The student has
+tied embeddings, so the first and last stage each hold the embedding and add their gradients.
+
+`train()` runs: a pp2 run that validates, checkpoints and exports a loadable Hugging Face
+folder; a pp2 checkpoint resumed in one process, and a one-process checkpoint resumed as pp2,
+each equal to the uninterrupted run; and the layouts that cannot work refused before loading.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from crossdistill.config import ParallelConfig as P
+from crossdistill.errors import UserError
+from tests.distributed import _harness as h
+
+pytestmark = pytest.mark.distributed
+REL = 1e-5
+STEPS = 20
+WINDOW = 4  # micro-batches per step: two per data rank under pp2 x dp2
+
+TWO = [
+    h.Layouts("pp2", P(pp=2), [P(), P()]),
+    h.Layouts("pp2_gpipe", P(pp=2, pp_schedule="GPipe"), [P(), P()]),
+    # teachers laid out unlike the student: tensor parallel, and FSDP over both stages' ranks
+    h.Layouts("pp2_teachers_tp2_fsdp2", P(pp=2), [P(tp=2, dp_shard=1), P(dp_shard=2)]),
+]
+FOUR = [
+    h.Layouts("pp2xdp2", P(pp=2, dp_shard=2), [P(), P()]),
+    h.Layouts("pp2xdp2_teacher_tp2", P(pp=2, dp_replicate=2, dp_shard=1), [P(tp=2), P()]),
+]
+
+
+def _train_cfg(cfg, out: Path, parallel: P):
+    c = copy.deepcopy(cfg)
+    c.student.parallel = parallel
+    c.run.out_dir = str(out)
+    return c
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tokenizer_dir):
+    """Config, micro-batches and projections made once; the single-process reference of the
+    layout cases, and one-process `train()` runs: uninterrupted, and stopped at step 2."""
+    from crossdistill.alignment.projection import build_projection
+    from crossdistill.models import load_tokenizer
+    from crossdistill.train.loop import train
+
+    root = tmp_path_factory.mktemp("pipeline")
+    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
+    cfg = h.scenario_config(toks, h.write_corpus(root / "data"), root / "run")
+    tok_s = load_tokenizer(cfg.student.tokenizer)
+    for t in cfg.teachers:
+        t.projection = str(root / f"{t.name}.projection.safetensors")
+        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
+    cfg.train.steps, cfg.train.grad_accum = 4, 2
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.log_every = 4, 2, 1
+    cfg.train.checkpoint_every = 2
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sc = h.prepare(cfg, STEPS * WINDOW, root / "scenario.pt")
+        reference = h.run_steps(cfg, sc, STEPS, WINDOW)
+        train(_train_cfg(cfg, root / "one_full", P()))
+        train(_train_cfg(cfg, root / "one_part", P()), stop_after=2)
+    finally:
+        torch.set_num_threads(threads)
+    _drop_after(root / "one_part", 2)
+    return root, cfg, reference
+
+
+def _drop_after(run: Path, step: int) -> None:
+    """Leave a run as a job killed right after its step-`step` checkpoint leaves it."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    kept = [x for x in lines if json.loads(x).get("step", 0) <= step]
+    (run / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+
+
+def two_rank_worker(rank: int, cfg, root: str, out: str) -> None:
+    from crossdistill.train.loop import train
+
+    sc = torch.load(Path(root) / "scenario.pt", weights_only=False)
+    results = {c.name: h.run_steps(h.with_layouts(cfg, c), sc, STEPS, WINDOW) for c in TWO}
+    pp2 = P(pp=2)
+    train(_train_cfg(cfg, Path(root) / "pp_full", pp2))
+    train(_train_cfg(cfg, Path(root) / "pp_part", pp2), stop_after=2)
+    train(_train_cfg(cfg, Path(root) / "from_one", pp2), resume=True)
+    if rank == 0:
+        torch.save(results, out)
+
+
+def four_rank_worker(rank: int, cfg, root: str, out: str) -> None:
+    sc = torch.load(Path(root) / "scenario.pt", weights_only=False)
+    results = {c.name: h.run_steps(h.with_layouts(cfg, c), sc, STEPS, WINDOW) for c in FOUR}
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.fixture(scope="module")
+def two(setup):
+    root, cfg, _ = setup
+    shutil.copytree(root / "one_part", root / "from_one")  # resumed as pp2 by the workers
+    h.spawn(two_rank_worker, 2, cfg, str(root), str(root / "two.pt"), errors=root / "errors2")
+    return torch.load(root / "two.pt", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def four(setup):
+    root, cfg, _ = setup
+    h.spawn(four_rank_worker, 4, cfg, str(root), str(root / "four.pt"), errors=root / "errors4")
+    return torch.load(root / "four.pt", weights_only=False)
+
+
+def _assert_invariant(reference, got, case):
+    assert len(got) == len(reference) == STEPS
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(got, reference), start=1):
+        assert abs(loss - ref_loss) <= REL * abs(ref_loss), (case, step, loss, ref_loss)
+        assert abs(norm - ref_norm) <= REL * abs(ref_norm), (case, step, norm, ref_norm)
+
+
+@pytest.mark.parametrize("case", [c.name for c in TWO])
+def test_two_stage_pipelines_match_one_process(setup, two, case):
+    _assert_invariant(setup[2], two[case], case)
+
+
+@pytest.mark.parametrize("case", [c.name for c in FOUR])
+def test_pipeline_with_data_parallel_matches_one_process(setup, four, case):
+    _assert_invariant(setup[2], four[case], case)
+
+
+def test_reference_moves(setup):
+    """The comparison is of real training: the loss changes every step."""
+    losses = [loss for loss, _ in setup[2]]
+    assert all(abs(a - b) > 1e-5 for a, b in zip(losses, losses[1:]))
+
+
+def _run(run: Path) -> dict[int, dict]:
+    """Each step's logged values (its training and validation lines merged)."""
+    steps: dict[int, dict] = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "step" in record:
+            steps.setdefault(record["step"], {}).update(record)
+    return steps
+
+
+def _close(a: dict, b: dict, key: str) -> None:
+    for step in sorted(b):
+        if key in b[step]:
+            assert abs(a[step][key] - b[step][key]) <= REL * abs(b[step][key]), (step, key)
+
+
+def test_pipeline_train_run_validates_checkpoints_and_exports(setup, two):
+    """pp2 `train()`: the one-process run's losses, held-out bits per byte and a Hugging Face
+    folder that loads and gives the one-process run's weights."""
+    from transformers import AutoModelForCausalLM
+
+    root = setup[0]
+    pp, one = _run(root / "pp_full"), _run(root / "one_full")
+    assert sorted(s for s in pp if "loss" in pp[s]) == [1, 2, 3, 4]
+    _close(pp, one, "loss")
+    _close(pp, one, "val/bpb/student")
+    assert (root / "pp_full" / "checkpoints" / "step_000002" / "dcp" / ".metadata").is_file()
+    a = AutoModelForCausalLM.from_pretrained(root / "pp_full" / "final").state_dict()
+    b = AutoModelForCausalLM.from_pretrained(root / "one_full" / "final").state_dict()
+    assert a.keys() == b.keys()
+    for key in b:
+        # four AdamW steps apart from float32 rounding: within 1e-4 of the tensor's scale
+        assert (a[key] - b[key]).abs().max() <= 1e-4 * b[key].abs().max(), key
+
+
+def test_one_process_checkpoint_resumes_as_pipeline(setup, two):
+    root = setup[0]
+    resumed, one = _run(root / "from_one"), _run(root / "one_full")
+    assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
+    _close(resumed, one, "loss")
+
+
+def test_pipeline_checkpoint_resumes_in_one_process(setup, two):
+    from crossdistill.train.loop import train
+
+    root, cfg, _ = setup
+    _drop_after(root / "pp_part", 2)
+    train(_train_cfg(cfg, root / "pp_part", P()), resume=True)
+    resumed, one = _run(root / "pp_part"), _run(root / "one_full")
+    assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
+    _close(resumed, one, "loss")
+
+
+def test_stages_balance_blocks_against_the_lm_head():
+    from crossdistill.distributed.pipeline import stage_blocks
+
+    def sizes(*args):
+        split = stage_blocks(*args)
+        assert [i for r in split for i in r] == list(range(args[0]))  # contiguous, all blocks
+        return [len(r) for r in split]
+
+    assert sizes(16, 2, 0.0) == [8, 8]
+    assert sizes(7, 3, 0.0) == [3, 2, 2]
+    # a Llama-3.2-1B: the lm_head weighs 4.3 blocks, so the last stage takes 6 of the 16
+    assert sizes(16, 2, 4.3) == [10, 6]
+    assert sizes(16, 4, 4.3) == [5, 5, 5, 1]
+    assert sizes(2, 2, 50.0) == [1, 1]  # every stage keeps a block
+
+
+def test_bad_pipeline_layouts_are_refused_before_loading(setup):
+    from crossdistill.distributed.setup import plan_layouts
+    from crossdistill.train.validate import validate_config
+
+    _, cfg, _ = setup
+    res_s, res_t = validate_config(cfg)
+    hf_t = [r.hf_config for r in res_t]
+    blocks = res_s.hf_config.num_hidden_layers
+
+    def refused(world: int, parallel: P, grad_accum: int = 4, teacher: P | None = None) -> str:
+        c = copy.deepcopy(cfg)
+        c.student.parallel, c.train.grad_accum = parallel, grad_accum
+        if teacher is not None:
+            c.teachers[0].parallel = teacher
+        with pytest.raises(UserError) as e:
+            plan_layouts(c, world, res_s.hf_config, hf_t)
+        return str(e.value)
+
+    big = blocks + 1
+    assert f"pp = {big} is larger than the model's {blocks} blocks" in refused(big, P(pp=big))
+    assert "need at least 2 micro-batches" in refused(2, P(pp=2), grad_accum=1)
+    assert "train.grad_accum = 1" in refused(2, P(pp=2), grad_accum=1)
+    assert "= 6, but the job has 4 processes" in refused(4, P(pp=2, dp_shard=3))
+    assert "does not divide the world size 3" in refused(3, P(pp=2))
+    assert "combine with data parallelism" in refused(4, P(pp=2, tp=2))
+    assert "teachers.0.parallel.pp = 2" in refused(2, P(pp=2), teacher=P(pp=2, dp_shard=1))
