@@ -61,6 +61,9 @@ class ParallelConfig:
     cp: int = 1  # context (sequence) parallel
     pp: int = 1  # pipeline stages (the student only; combines with dp_replicate / dp_shard)
     pp_schedule: PipelineSchedule = "1F1B"  # needs train.grad_accum >= pp micro-batches
+    # FSDP (the student): free each block's gathered parameters after its forward (least
+    # memory), or keep them until its backward (one all-gather per block and micro-batch fewer)
+    reshard_after_forward: bool = True
 
 
 @dataclass

@@ -158,12 +158,17 @@ def _teacher_shape(slot) -> Shape:
     """A teacher's shape; one that runs in another process is built on the meta device."""
     if slot.teacher is not None:
         return _shape(slot.teacher.model)
+    return _shape(_meta_model(slot.cfg))
+
+
+def _meta_model(model_cfg):
+    """The whole model of a config on the meta device (a pipeline stage holds only part)."""
     import torch
 
     from crossdistill.models.loading import build_meta_model
 
-    t = slot.cfg
-    return _shape(build_meta_model(t.path, t.arch, dtype=torch.bfloat16, overrides=t.overrides))
+    c = model_cfg
+    return build_meta_model(c.path, c.arch, dtype=torch.bfloat16, overrides=c.overrides)
 
 
 def _flops_per_student_token(s: Shape, teachers: list[tuple[Shape, float]], t_s: int) -> float:
@@ -257,10 +262,13 @@ def measure(
             per_gpu = result.get("per_gpu_tokens_per_s", result["tokens_per_s"])
             result["per_gpu_vs_one_gpu"] = per_gpu / reference["tokens_per_s"]
         bench.teacher_ratio = result["teacher_tokens_per_student_token"]
+        student = bench.c.student
+        if getattr(bench.c.placement, "pipeline", None) is not None:  # a rank holds one stage
+            student = _meta_model(bench.cfg.student)
         shapes = Shapes(
-            _shape(bench.c.student),
+            _shape(student),
             [_teacher_shape(s) for s in bench.c.slots],
-            _lm_head_size(bench.c.student),
+            _lm_head_size(student),
         )
         if extras is not None:
             extras(bench, result)
@@ -274,6 +282,26 @@ class Shapes:
     student: Shape
     teachers: list[Shape]
     head_s: int  # the student's lm_head weights
+
+
+def add_rates(result: dict, flops: float, peak: float | None) -> None:
+    """TFLOP/s, MFU (of `peak` TFLOP/s per GPU) and the fraction of the measured matmul rate for
+    every `<prefix>tokens_per_s` of `result`, and our speed-up over each baseline. A job's
+    `tokens_per_s` is spread over its `gpus`; `per_gpu_` and `one_gpu_` rates are one GPU's."""
+    prefixes = [k.removesuffix("tokens_per_s") for k in result if k.endswith("tokens_per_s")]
+    for key in prefixes:  # ours (""), any baseline's (`extras`), a job's per GPU and one GPU's
+        tps = result[f"{key}tokens_per_s"]
+        one = key in ("per_gpu_", "one_gpu_")  # rates of a single GPU
+        if key and not one:
+            result[f"speedup_vs_{key.rstrip('_')}"] = result["tokens_per_s"] / tps
+        gpus = 1 if one else result.get("gpus") or 1  # a separate teacher's GPU counts too
+        achieved = tps * flops / 1e12
+        result[f"{key}tflops"] = achieved
+        result[f"{key}mfu"] = achieved / (peak * gpus) if peak else None
+        if result.get("matmul_tflops_measured"):
+            result[f"{key}fraction_of_measured_matmul"] = achieved / (
+                result["matmul_tflops_measured"] * gpus
+            )
 
 
 def _finish(result: dict, shapes: Shapes, bench, args) -> None:
@@ -303,19 +331,7 @@ def _finish(result: dict, shapes: Shapes, bench, args) -> None:
         loss_kernels=args.loss_kernels,
         teacher_tokens_per_student_token=bench.teacher_ratio,
     )
-    prefixes = [k.removesuffix("tokens_per_s") for k in result if k.endswith("tokens_per_s")]
-    for key in prefixes:  # ours (""), and any baseline's (`extras`)
-        tps = result[f"{key}tokens_per_s"]
-        if key:
-            result[f"speedup_vs_{key.rstrip('_')}"] = result["tokens_per_s"] / tps
-        gpus = result.get("gpus") or 1  # a separate teacher's GPU counts too
-        achieved = tps * flops / 1e12
-        result[f"{key}tflops"] = achieved
-        result[f"{key}mfu"] = achieved / (peak * gpus) if peak else None
-        if result.get("matmul_tflops_measured"):
-            result[f"{key}fraction_of_measured_matmul"] = achieved / (
-                result["matmul_tflops_measured"] * gpus
-            )
+    add_rates(result, flops, peak)
     rate = result.get("matmul_tflops_measured")
     if rate and "ms/student_loss" in result:
         # the student's loss pass holds its three lm_head matmuls (forward, two backward): what

@@ -14,6 +14,11 @@ GPipe) over the step's micro-batches.
   inputs, and every stage and the loss look their micro-batch's positions, segments, labels and
   teacher targets up by that index; targets of micro-batch i meet the logits of micro-batch i by
   construction, whatever order the schedule runs them in.
+- Teachers: when the step's micro-batches divide evenly among the stages, stage s computes
+  the targets of micro-batches s, s + pp, s + 2·pp, ... (a teacher laid out across stages runs
+  them together, as it runs several data ranks' batches) and sends them to the last stage in
+  the payload format of separate teachers (`losses/payload.py`): each stage does 1/pp of the
+  teacher work. Otherwise every stage computes them all and the last stage keeps its own.
 - The loss runs on the last stage, divided by the global batch's counts as in every layout, so
   the schedule must not scale gradients (`scale_grads=False`). Metrics are summed over the
   pipeline group (the other stages add zeros), so every rank holds them.
@@ -29,6 +34,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from crossdistill.errors import UserError
+from crossdistill.losses.payload import pack_targets, payload_nbytes, unpack_targets
+from crossdistill.losses.targets import TeacherTargets, kd_positions
 from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import HeldElsewhere, decoder_of
 
@@ -149,7 +156,7 @@ class StudentPipeline:
         self.dtype = dtype
         self.tied = tied
         self._schedules: dict[int, Any] = {}
-        self._loss_of: Callable[[int, Tensor], Tensor] | None = None
+        self._loss_of: Callable[[int, Tensor], Tensor] | None = None  # the last stage's
         self._keys: list[str] | None = None
         ranks = dist.get_process_group_ranks(self.group)
         self._ends = None  # first and last stage of this rank's pipeline: the tied copies
@@ -182,10 +189,11 @@ class StudentPipeline:
     def _loss(self, hidden: Tensor, mb: Tensor) -> Tensor:
         return self._loss_of(int(mb.reshape(-1)[0]), hidden)
 
-    def train(self, batches: list, loss_of: Callable[[int, Tensor], Tensor]) -> None:
+    def train(self, batches: list, loss_of: Callable[[int, Tensor], Tensor] | None) -> None:
         """Forward and backward of every micro-batch in `batches` (this data rank's window) through
-        the pipeline; `loss_of(i, hidden)` (last stage) returns micro-batch i's loss, already
-        divided by the global counts. Gradients accumulate in the stage's parameters."""
+        the pipeline; `loss_of(i, hidden)` returns micro-batch i's loss, already divided by the
+        global counts (the last stage's; None on the others). Gradients accumulate in the
+        stage's parameters."""
         n = len(batches)
         if n < self.stages:
             raise UserError(
@@ -211,6 +219,41 @@ class StudentPipeline:
             (b.position_ids.to(self.device, non_blocking=True), segments_of(b, self.device))
             for b in batches
         ]
+
+    # ------------------------------------------------------------------ teacher targets
+
+    def splits_teachers(self, n: int) -> bool:
+        """Whether the stages share the teacher work of a step of `n` micro-batches."""
+        return n % self.stages == 0
+
+    def spread_targets(
+        self, batches: list, live: list[bool], compute: Callable[[int, int], TeacherTargets]
+    ) -> list[list[TeacherTargets]] | None:
+        """Every teacher's targets of every micro-batch on the last stage (None elsewhere).
+        `batches[i]`: micro-batch i's teacher batches (one per teacher); `live[k]`: teacher k
+        runs here (else its targets come with the batch, and only the last stage reads them);
+        `compute(i, k)`: teacher k's targets of micro-batch i on this rank (collective where the
+        teacher is laid out across ranks: every stage calls it equally often)."""
+        n, teachers = len(batches), len(live)
+        split = self.splits_teachers(n)
+        mine = [i for i in range(n) if not split or i % self.stages == self.stage]
+        out: list[list[Any]] = [[None] * teachers for _ in range(n)]
+        for k in range(teachers):
+            for i in mine if live[k] else (range(n) if self.last else ()):
+                out[i][k] = compute(i, k)
+        if not split:
+            return out if self.last else None
+        last = self.stages - 1
+        for k in (k for k in range(teachers) if live[k]):
+            if not self.last:  # this stage's share, in micro-batch order
+                for i in mine:
+                    dist.send(_packed(out[i][k]), group=self.group, group_dst=last)
+                continue
+            like = out[mine[0]][k]  # the last stage's own share gives K and the temperature
+            for i in range(n):
+                if out[i][k] is None:
+                    out[i][k] = _receive(batches[i][k], like, self.group, i % self.stages)
+        return out if self.last else None
 
     # ------------------------------------------------------------------ forward only
 
@@ -272,6 +315,24 @@ class StudentPipeline:
             w = self.tied_weight()
             params = [p for p in params if p is not w]
         return params
+
+
+def _packed(t: TeacherTargets) -> Tensor:
+    return pack_targets(t, "none")
+
+
+def _receive(tb: Any, like: TeacherTargets, group: Any, stage: int) -> TeacherTargets:
+    """Targets of teacher batch `tb` sent by pipeline stage `stage` (`like`: targets of the
+    same teacher computed here, for their top-k width, dtypes and temperature)."""
+    m = kd_positions(tb.chunks)[1].shape[0]
+    n, k = tb.labels.numel(), like.topk_ids.shape[1]
+    buf = torch.empty(
+        payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
+    )
+    dist.recv(buf, group=group, group_src=stage)
+    got = unpack_targets(buf, m, k, n, "none", like.temperature)
+    got.topk_ids = got.topk_ids.to(like.topk_ids.dtype)
+    return got
 
 
 def _pair_group(mesh: Any, first: int, last: int) -> Any:

@@ -116,6 +116,10 @@ class Placement:
         reader = student or next(t for t in teachers if t is not None)
         self.data_rank = reader.rank("dp")
         self.data_size = reader.layout.dp
+        # which micro-batches this rank's teachers run: a data rank's pipeline stages run
+        # different ones (`StudentPipeline.spread_targets`)
+        pp = student.layout.pp if student is not None else 1
+        self.teacher_reads = self.data_rank * pp + (student.rank("pp") if pp > 1 else 0)
         self.sources = [None if t is None else self._sources(t) for t in teachers]
 
     # ------------------------------------------------------------------ teachers
@@ -127,7 +131,7 @@ class Placement:
             return None, [0]
         group = placed.mesh["cp_tp"].get_group()
         ranks = [None] * dist.get_world_size(group)
-        dist.all_gather_object(ranks, self.data_rank, group=group)
+        dist.all_gather_object(ranks, self.teacher_reads, group=group)
         first = {r: ranks.index(r) for r in ranks}
         return group, [first[r] for r in ranks]
 

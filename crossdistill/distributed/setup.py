@@ -64,6 +64,11 @@ def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> Ru
                 "(a frozen teacher runs forward only); lay the teacher out with dp_shard, tp "
                 "or cp, or give it ranks of its own (teachers.N.placement: separate)"
             )
+        if not parallel_config(tcfg).reshard_after_forward:
+            raise UserError(
+                f"teachers.{i}.parallel.reshard_after_forward = false keeps blocks gathered for "
+                "a backward, which a frozen teacher does not run; leave it at true"
+            )
         layout.check_model(hf)
         # teacher rows are padded to a multiple of data.pad_multiple
         layout.check_sequence(cfg.data.pad_multiple, "data.pad_multiple")
@@ -133,19 +138,22 @@ def teacher_model(cfg: Config, k: int, placed: Placed, device: torch.device) -> 
 def parallel_models(
     cfg: Config,
     placement: Placement,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
     param_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, list[nn.Module | None], dict[str, torch.Tensor]]:
     """The student and every teacher (None for one read from a cache or running on ranks of its
     own), each in its layout; plus the student's fused-row orders
     (needed to export and checkpoint it under tensor parallelism). `reshard_after_forward`
-    and `param_dtype` are for the student's FSDP (see `parallelize_model`); on CUDA the step
+    (default: `student.parallel.reshard_after_forward`) and `param_dtype` are for the student's
+    FSDP (see `parallelize_model`); on CUDA the step
     computes under bf16 autocast, so by default FSDP gathers the student's parameters in bf16
     (half the traffic; gradients are reduced in float32 into the float32 master weights; the
     measured gain is in benchmarks/README.md, "Scale-out")."""
     s, dev = cfg.student, placement.device
     if param_dtype is None and dev.type == "cuda":
         param_dtype = torch.bfloat16
+    if reshard_after_forward is None:
+        reshard_after_forward = parallel_config(s).reshard_after_forward
     student = build_parallel_model(
         s,
         placement.student.layout,

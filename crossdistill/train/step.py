@@ -9,7 +9,8 @@ Order of work, and why:
    ranks by the placement) so each term is `sum / global count`: gradient accumulation
    and data parallelism do not change the loss or its gradient;
 3. the student runs micro-batch by micro-batch: forward to hidden states, the chunked lm_head +
-   loss pass, backward (pipeline stages: the schedule's order, the loss on the last stage).
+   loss pass, backward (pipeline stages: the schedule's order, the loss on the last stage,
+   the teachers' targets computed by all stages and gathered there).
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from crossdistill.distributed.runtime import (
     shard_kwargs,
     target_bytes,
 )
-from crossdistill.losses import ce_count, kd_count, next_token_nll, student_loss
+from crossdistill.losses import (
+    TeacherTargets,
+    ce_count,
+    kd_count,
+    next_token_nll,
+    student_loss,
+)
 
 LN2 = math.log(2.0)
 
@@ -92,15 +99,25 @@ def train_step(
     for s in slots:
         if s.teacher is not None and s.teacher.offload:
             s.teacher.to(dev)
-    targets = [
-        [
-            place.teacher_targets(
-                s, k, mb.teachers[k], settings.loss_chunk_size, settings.fused, cached_of(mb, k)
-            )
-            for k, s in enumerate(slots)
-        ]
-        for mb in micro_batches
-    ]
+
+    def targets_of(i: int, k: int) -> TeacherTargets:
+        mb, s = micro_batches[i], slots[k]
+        return place.teacher_targets(
+            s, k, mb.teachers[k], settings.loss_chunk_size, settings.fused, cached_of(mb, k)
+        )
+
+    pipe = place.pipeline
+    if pipe is None:
+        targets = [[targets_of(i, k) for k in range(len(slots))] for i in range(len(micro_batches))]
+    else:  # the stages share the teachers' work; the loss and its counts are the last stage's
+        live = [s.teacher is not None for s in slots]
+        spread = pipe.spread_targets([mb.teachers for mb in micro_batches], live, targets_of)
+        if spread is None:
+            _offload(slots)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+                pipe.train([mb.student for mb in micro_batches], None)
+            return pipe.share({})
+        targets = spread
     terms = [
         [make_term(s, mb.teachers[k], targets[i][k], dev) for k, s in enumerate(slots)]
         for i, mb in enumerate(micro_batches)
@@ -132,9 +149,7 @@ def train_step(
         for k in range(len(slots))
     ]
     weights = teacher_weights(slots, npb, settings.teacher_mode)
-    for s in slots:
-        if s.teacher is not None and s.teacher.offload:
-            s.teacher.to("cpu")
+    _offload(slots)
 
     total: dict[str, Tensor] = {}
 
@@ -163,9 +178,9 @@ def train_step(
             total[name] = total.get(name, 0) + value.detach()
         return loss
 
-    if place.pipeline is not None:  # the stages run the micro-batches in the schedule's order
+    if pipe is not None:  # the stages run the micro-batches in the schedule's order
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
-            place.pipeline.train(
+            pipe.train(
                 [mb.student for mb in micro_batches], lambda i, h: loss_of(i, h.flatten(0, 1))
             )
     else:
@@ -174,8 +189,6 @@ def train_step(
                 hidden, rows = place.student_hidden(student, mb.student)
             loss_of(i, hidden, rows).backward()
     total = place.reduce_metrics(total)
-    if place.pipeline is not None:  # the loss ran on the last stage
-        total = place.pipeline.share(total)
     for k, s in enumerate(slots):
         total[f"teacher_bpb/{s.cfg.name}"] = npb[k] / LN2
         w = weights[k]  # a float (static weights) is filled in place: a copy would synchronize
@@ -183,4 +196,13 @@ def train_step(
             w if isinstance(w, Tensor) else torch.full((), w, device=dev)
         )
     total["num_ce_tokens"] = ce_den
+    if pipe is not None:  # the last stage's numbers on every stage
+        total = pipe.share(total)
     return total
+
+
+def _offload(slots: list[TeacherSlot]) -> None:
+    """Teachers that live on the CPU between steps go back there."""
+    for s in slots:
+        if s.teacher is not None and s.teacher.offload:
+            s.teacher.to("cpu")

@@ -15,14 +15,23 @@ from tests.distributed._harness import free_port
 pytestmark = pytest.mark.distributed
 
 
-def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir):
+LAYOUTS = {
+    "tp2": (["--set", "student.parallel.tp=2", "--set", "teachers.0.parallel.dp_shard=2"],
+            ["tp=2", "dp_shard=2"]),
+    # two pipeline stages over the two processes, each step 2 micro-batches
+    "pp2": (["--set", "student.parallel.pp=2", "--grad-accum", "2"], ["pp=2", "dp_shard=2"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir, layout):
+    settings, described = LAYOUTS[layout]
     tok = {n: str(tokenizer_dir(n)) for n in ("llama3", "qwen3")}
     command = [
         "bench", "step", "--student-tokenizer", tok["llama3"], "--teacher", "qwen3-4b",
         "--teacher-tokenizer", tok["qwen3"], "--tiny", "--device", "cpu", "--seq-len", "128",
         "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json",
-        "--set", "student.parallel.tp=2", "--set", "teachers.0.parallel.dp_shard=2",
-        "--one-gpu-reference",
+        *settings, "--one-gpu-reference",
     ]  # fmt: skip
     launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     launch += ["--master_port", str(free_port()), "-m", "crossdistill", *command]
@@ -33,8 +42,8 @@ def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir):
     assert len(lines) == 1  # one report for the job
     result = json.loads(lines[0])
     assert result["processes"] == 2 and len(result["peak_gib_per_rank"]) == 2
-    assert "tp=2" in result["layout"] and "dp_shard=2" in result["layout"]
-    # one data rank (tp2): the job's rate is that rank's, per process half of it
+    assert all(x in result["layout"] for x in described)
+    # one data rank (tp2, pp2): the job's rate is that rank's, per process half of it
     assert result["per_gpu_tokens_per_s"] == pytest.approx(result["tokens_per_s"] / 2)
     assert result["one_gpu_tokens_per_s"] > 0
     assert result["per_gpu_vs_one_gpu"] == pytest.approx(

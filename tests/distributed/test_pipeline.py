@@ -1,7 +1,8 @@
 """Pipeline-parallel students on CPU (gloo) against one process: the student's blocks split
 into two stages (1F1B and GPipe schedules), with data parallelism (pp2 x dp2 on four ranks), and
-with teachers laid out differently from the student; 20 optimizer steps of 4 micro-batches in
-float32 must give the single-process loss and gradient norm to 1e-5 relative. The student has
+with teachers laid out differently from the student (the stages share the teachers' work), and
+with 3 micro-batches a step (each stage computes every target); 20 optimizer steps in float32
+must give the single-process loss and gradient norm to 1e-5 relative. The student has
 tied embeddings, so the first and last stage each hold the embedding and add their gradients.
 
 `train()` runs: a pp2 run that validates, checkpoints and exports a loadable Hugging Face
@@ -34,6 +35,9 @@ TWO = [
     # teachers laid out unlike the student: tensor parallel, and FSDP over both stages' ranks
     h.Layouts("pp2_teachers_tp2_fsdp2", P(pp=2), [P(tp=2, dp_shard=1), P(dp_shard=2)]),
 ]
+# three micro-batches do not divide among two stages: every stage computes every target
+ODD = [h.Layouts("pp2_odd_teacher_tp2", P(pp=2), [P(tp=2, dp_shard=1), P()])]
+ODD_WINDOW = 3
 FOUR = [
     h.Layouts("pp2xdp2", P(pp=2, dp_shard=2), [P(), P()]),
     h.Layouts("pp2xdp2_teacher_tp2", P(pp=2, dp_replicate=2, dp_shard=1), [P(tp=2), P()]),
@@ -70,12 +74,13 @@ def setup(tmp_path_factory, tokenizer_dir):
     try:
         sc = h.prepare(cfg, STEPS * WINDOW, root / "scenario.pt")
         reference = h.run_steps(cfg, sc, STEPS, WINDOW)
+        reference_odd = h.run_steps(cfg, sc, STEPS, ODD_WINDOW)
         train(_train_cfg(cfg, root / "one_full", P()))
         train(_train_cfg(cfg, root / "one_part", P()), stop_after=2)
     finally:
         torch.set_num_threads(threads)
     _drop_after(root / "one_part", 2)
-    return root, cfg, reference
+    return root, cfg, reference, reference_odd
 
 
 def _drop_after(run: Path, step: int) -> None:
@@ -90,6 +95,8 @@ def two_rank_worker(rank: int, cfg, root: str, out: str) -> None:
 
     sc = torch.load(Path(root) / "scenario.pt", weights_only=False)
     results = {c.name: h.run_steps(h.with_layouts(cfg, c), sc, STEPS, WINDOW) for c in TWO}
+    for c in ODD:
+        results[c.name] = h.run_steps(h.with_layouts(cfg, c), sc, STEPS, ODD_WINDOW)
     pp2 = P(pp=2)
     train(_train_cfg(cfg, Path(root) / "pp_full", pp2))
     train(_train_cfg(cfg, Path(root) / "pp_part", pp2), stop_after=2)
@@ -107,7 +114,7 @@ def four_rank_worker(rank: int, cfg, root: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def two(setup):
-    root, cfg, _ = setup
+    root, cfg = setup[:2]
     shutil.copytree(root / "one_part", root / "from_one")  # resumed as pp2 by the workers
     h.spawn(two_rank_worker, 2, cfg, str(root), str(root / "two.pt"), errors=root / "errors2")
     return torch.load(root / "two.pt", weights_only=False)
@@ -115,7 +122,7 @@ def two(setup):
 
 @pytest.fixture(scope="module")
 def four(setup):
-    root, cfg, _ = setup
+    root, cfg = setup[:2]
     h.spawn(four_rank_worker, 4, cfg, str(root), str(root / "four.pt"), errors=root / "errors4")
     return torch.load(root / "four.pt", weights_only=False)
 
@@ -130,6 +137,10 @@ def _assert_invariant(reference, got, case):
 @pytest.mark.parametrize("case", [c.name for c in TWO])
 def test_two_stage_pipelines_match_one_process(setup, two, case):
     _assert_invariant(setup[2], two[case], case)
+
+
+def test_uneven_micro_batches_match_one_process(setup, two):
+    _assert_invariant(setup[3], two[ODD[0].name], ODD[0].name)
 
 
 @pytest.mark.parametrize("case", [c.name for c in FOUR])
@@ -188,7 +199,7 @@ def test_one_process_checkpoint_resumes_as_pipeline(setup, two):
 def test_pipeline_checkpoint_resumes_in_one_process(setup, two):
     from crossdistill.train.loop import train
 
-    root, cfg, _ = setup
+    root, cfg = setup[:2]
     _drop_after(root / "pp_part", 2)
     train(_train_cfg(cfg, root / "pp_part", P()), resume=True)
     resumed, one = _run(root / "pp_part"), _run(root / "one_full")
@@ -216,7 +227,7 @@ def test_bad_pipeline_layouts_are_refused_before_loading(setup):
     from crossdistill.distributed.setup import plan_layouts
     from crossdistill.train.validate import validate_config
 
-    _, cfg, _ = setup
+    cfg = setup[1]
     res_s, res_t = validate_config(cfg)
     hf_t = [r.hf_config for r in res_t]
     blocks = res_s.hf_config.num_hidden_layers
@@ -238,3 +249,5 @@ def test_bad_pipeline_layouts_are_refused_before_loading(setup):
     assert "does not divide the world size 3" in refused(3, P(pp=2))
     assert "combine with data parallelism" in refused(4, P(pp=2, tp=2))
     assert "teachers.0.parallel.pp = 2" in refused(2, P(pp=2), teacher=P(pp=2, dp_shard=1))
+    kept = refused(2, P(), teacher=P(reshard_after_forward=False))
+    assert "teachers.0.parallel.reshard_after_forward = false" in kept

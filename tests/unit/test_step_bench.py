@@ -149,3 +149,19 @@ def test_data_pipeline_benchmark_script_on_cpu():
     result = json.loads(out.stdout)
     assert result["batches"] == 2 and result["student_tokens"] > 0
     assert result["baseline"]["student_tokens_per_s"] > 0
+
+
+def test_rates_of_a_job_are_per_gpu():
+    """A two-GPU job's MFU is its rate over both GPUs' peak; the per-GPU and one-GPU rates are
+    one GPU's against one peak, so all three agree when the job scales perfectly."""
+    from crossdistill.bench.step import add_rates
+
+    result = {"tokens_per_s": 200.0, "per_gpu_tokens_per_s": 100.0, "one_gpu_tokens_per_s": 100.0}
+    result["gpus"] = 2
+    add_rates(result, flops=1e12, peak=1000.0)
+    assert result["mfu"] == result["per_gpu_mfu"] == result["one_gpu_mfu"] == 0.1
+    assert result["tflops"] == 200.0 and result["per_gpu_tflops"] == 100.0
+    assert "speedup_vs_per_gpu" not in result and "speedup_vs_one_gpu" not in result
+    naive = {"tokens_per_s": 300.0, "naive_tokens_per_s": 100.0}
+    add_rates(naive, flops=1e12, peak=None)
+    assert naive["speedup_vs_naive"] == 3.0 and naive["mfu"] is None

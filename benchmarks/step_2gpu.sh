@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The distillation step on two GPUs of one machine, layout by layout: `crossdistill bench step`
+# under torchrun, Qwen3-4B-shaped teacher -> Llama-3.2-1B-shaped student (random weights, real
+# tokenizers), sequence 4096, compiled blocks, each record beside the one-GPU run of the same
+# command (`--one-gpu-reference`) where the layouts leave the command otherwise unchanged.
+# Usage (from the repository root, on a machine with two GPUs):
+#   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="fsdp separate"] bash benchmarks/step_2gpu.sh
+# TOK holds llama3/hf and qwen3/hf. Records: $OUT/step-2gpu-<layout>-<date>.json, one per layout,
+# written as each finishes; `python benchmarks/step_2gpu_table.py $OUT` prints the table.
+# Layouts (all by default, in this order):
+#   fsdp          student FSDP over both GPUs, teacher FSDP (the default layouts)
+#   fsdp_keep     the same, the student's blocks kept gathered from forward to backward
+#   fsdp_keep_trep  the same, the teacher replicated (a copy per GPU: no gathers)
+#   alone         the student alone (no teacher) on one GPU: the step's student time
+#   separate      the teacher on GPU 1, the student on GPU 0, targets streamed (teachers.0.placement)
+#   pp2_alone     the student in two pipeline stages, no teacher, 8 micro-batches (the bubble)
+#   pp2           the same with the teacher (FSDP over both GPUs)
+#   tp2 cp2       student and teacher tensor / context parallel over both GPUs
+#   s_fsdp_t_tp2  student FSDP, teacher tensor parallel
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+TOK=${TOK:?set TOK to the tokenizers folder}
+export CROSSDISTILL_TOKENIZERS="${CROSSDISTILL_TOKENIZERS:-$TOK}"
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+stamp=$(date -u +%Y%m%d)
+stage() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
+S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
+Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
+C=(--seq-len 4096 --compile --steps ${STEPS:-8} --warmup ${WARMUP:-3} --json)
+one() {  # name, then bench step arguments: one process
+    local name=$1; shift
+    python3 -m crossdistill bench step "$@" | tail -1 > "$OUT/step-2gpu-$name-$stamp.json"
+    echo "$name: $(head -c 300 "$OUT/step-2gpu-$name-$stamp.json")"
+}
+two() {  # name, then bench step arguments: torchrun over both GPUs
+    local name=$1; shift
+    python3 -m torch.distributed.run --nproc_per_node 2 -m crossdistill bench step "$@" \
+        | tail -1 > "$OUT/step-2gpu-$name-$stamp.json"
+    echo "$name: $(head -c 300 "$OUT/step-2gpu-$name-$stamp.json")"
+}
+stage fsdp && two fsdp "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --one-gpu-reference
+K=(--set student.parallel.reshard_after_forward=false)
+stage fsdp_keep && two fsdp_keep "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 "${K[@]}" \
+    --one-gpu-reference
+stage fsdp_keep_trep && two fsdp_keep_trep "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 "${K[@]}" \
+    --set teachers.0.parallel.dp_replicate=2 --set teachers.0.parallel.dp_shard=1
+stage alone && one alone "${S[@]}" "${C[@]}" --micro-batch 2
+stage separate && two separate "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
+    --teacher-placement separate
+P=(--micro-batch 1 --grad-accum 8 --set student.parallel.pp=2 --one-gpu-reference)
+stage pp2_alone && two pp2_alone "${S[@]}" "${C[@]}" "${P[@]}"
+stage pp2 && two pp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}"
+stage tp2 && two tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
+    --set student.parallel.tp=2 --set teachers.0.parallel.tp=2
+stage cp2 && two cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
+    --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
+stage s_fsdp_t_tp2 && two s_fsdp_t_tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
+    --set teachers.0.parallel.tp=2
+exit 0
