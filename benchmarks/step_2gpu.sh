@@ -6,7 +6,7 @@
 # Usage (from the repository root, on a machine with two GPUs):
 #   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="fsdp separate"] bash benchmarks/step_2gpu.sh
 # TOK holds llama3/hf and qwen3/hf. Records: $OUT/step-2gpu-<layout>-<date>.json, one per layout,
-# written as each finishes; `python benchmarks/step_2gpu_table.py $OUT` prints the table.
+# written as each finishes (the table: benchmarks/README.md, "Two GPUs").
 # Layouts (all by default, in this order):
 #   fsdp          student FSDP over both GPUs, teacher FSDP (the default layouts)
 #   fsdp_keep     the same, the student's blocks kept gathered from forward to backward

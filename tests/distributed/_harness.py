@@ -112,6 +112,24 @@ def scenario_config(tokenizers: dict[str, str], data: Path, out: Path) -> Config
     return from_dict(Config, raw)
 
 
+def trainer_config(root: Path, tokenizer_dir: Any, steps: int, eval_every: int) -> Config:
+    """`scenario_config` for `train()` runs under `root`: its projections built, `steps` steps
+    of 2 micro-batches, validation every `eval_every` steps, checkpoints every 2."""
+    from crossdistill.alignment.projection import build_projection
+    from crossdistill.models import load_tokenizer
+
+    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
+    cfg = scenario_config(toks, write_corpus(root / "data"), root / "run")
+    tok_s = load_tokenizer(cfg.student.tokenizer)
+    for t in cfg.teachers:
+        t.projection = str(root / f"{t.name}.projection.safetensors")
+        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
+    cfg.train.steps, cfg.train.grad_accum = steps, 2
+    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.log_every = eval_every, 2, 1
+    cfg.train.checkpoint_every = 2
+    return cfg
+
+
 def write_corpus(folder: Path) -> Path:
     import json
 

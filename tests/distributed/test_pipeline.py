@@ -55,20 +55,10 @@ def _train_cfg(cfg, out: Path, parallel: P):
 def setup(tmp_path_factory, tokenizer_dir):
     """Config, micro-batches and projections made once; the single-process reference of the
     layout cases, and one-process `train()` runs: uninterrupted, and stopped at step 2."""
-    from crossdistill.alignment.projection import build_projection
-    from crossdistill.models import load_tokenizer
     from crossdistill.train.loop import train
 
     root = tmp_path_factory.mktemp("pipeline")
-    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
-    cfg = h.scenario_config(toks, h.write_corpus(root / "data"), root / "run")
-    tok_s = load_tokenizer(cfg.student.tokenizer)
-    for t in cfg.teachers:
-        t.projection = str(root / f"{t.name}.projection.safetensors")
-        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
-    cfg.train.steps, cfg.train.grad_accum = 4, 2
-    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.log_every = 4, 2, 1
-    cfg.train.checkpoint_every = 2
+    cfg = h.trainer_config(root, tokenizer_dir, 4, eval_every=4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -77,19 +77,8 @@ def _assert_same(got: dict, ref: dict, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory, tokenizer_dir):
-    from crossdistill.alignment.projection import build_projection
-    from crossdistill.models import load_tokenizer
-
     root = tmp_path_factory.mktemp("streams")
-    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
-    cfg = h.scenario_config(toks, h.write_corpus(root / "data"), root / "run")
-    tok_s = load_tokenizer(cfg.student.tokenizer)
-    for t in cfg.teachers:
-        t.projection = str(root / f"{t.name}.projection.safetensors")
-        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
-    cfg.train.steps, cfg.train.grad_accum = STEPS, 2
-    cfg.train.eval_every, cfg.train.eval_batches, cfg.train.log_every = 2, 2, 1
-    cfg.train.checkpoint_every = 2
+    cfg = h.trainer_config(root, tokenizer_dir, STEPS, eval_every=2)
     cfg.train.teacher_timeout_s = 120.0
     return root, cfg
 
