@@ -3,7 +3,8 @@ into two stages (1F1B and GPipe schedules), with data parallelism (pp2 x dp2 on 
 with teachers laid out differently from the student (the stages share the teachers' work), and
 with 3 micro-batches a step (each stage computes every target); 20 optimizer steps in float32
 must give the single-process loss and gradient norm to 1e-5 relative. The student has
-tied embeddings, so the first and last stage each hold the embedding and add their gradients.
+tied embeddings, so the first and last stage each hold the embedding and add their gradients
+(and once untied: the embedding on the first stage, the lm_head on the last).
 
 `train()` runs: a pp2 run that validates, checkpoints and exports a loadable Hugging Face
 folder; a pp2 checkpoint resumed in one process, and a one-process checkpoint resumed as pp2,
@@ -65,12 +66,20 @@ def setup(tmp_path_factory, tokenizer_dir):
         sc = h.prepare(cfg, STEPS * WINDOW, root / "scenario.pt")
         reference = h.run_steps(cfg, sc, STEPS, WINDOW)
         reference_odd = h.run_steps(cfg, sc, STEPS, ODD_WINDOW)
+        reference_untied = h.run_steps(_untied(cfg), sc, STEPS, WINDOW)
         train(_train_cfg(cfg, root / "one_full", P()))
         train(_train_cfg(cfg, root / "one_part", P()), stop_after=2)
     finally:
         torch.set_num_threads(threads)
     _drop_after(root / "one_part", 2)
-    return root, cfg, reference, reference_odd
+    return root, cfg, reference, reference_odd, reference_untied
+
+
+def _untied(cfg):
+    """The student with an lm_head of its own (the last stage holds it, the first the embedding)."""
+    c = copy.deepcopy(cfg)
+    c.student.overrides["tie_word_embeddings"] = False
+    return c
 
 
 def _drop_after(run: Path, step: int) -> None:
@@ -87,6 +96,7 @@ def two_rank_worker(rank: int, cfg, root: str, out: str) -> None:
     results = {c.name: h.run_steps(h.with_layouts(cfg, c), sc, STEPS, WINDOW) for c in TWO}
     for c in ODD:
         results[c.name] = h.run_steps(h.with_layouts(cfg, c), sc, STEPS, ODD_WINDOW)
+    results["pp2_untied"] = h.run_steps(h.with_layouts(_untied(cfg), TWO[0]), sc, STEPS, WINDOW)
     pp2 = P(pp=2)
     train(_train_cfg(cfg, Path(root) / "pp_full", pp2))
     train(_train_cfg(cfg, Path(root) / "pp_part", pp2), stop_after=2)
@@ -131,6 +141,10 @@ def test_two_stage_pipelines_match_one_process(setup, two, case):
 
 def test_uneven_micro_batches_match_one_process(setup, two):
     _assert_invariant(setup[3], two[ODD[0].name], ODD[0].name)
+
+
+def test_untied_student_pipeline_matches_one_process(setup, two):
+    _assert_invariant(setup[4], two["pp2_untied"], "pp2_untied")
 
 
 @pytest.mark.parametrize("case", [c.name for c in FOUR])
