@@ -8,13 +8,15 @@
 # TOK holds llama3/hf and qwen3/hf. Records: $OUT/step-2gpu-<layout>-<date>.json, one per layout,
 # written as each finishes (the table: benchmarks/README.md, "Two GPUs").
 # Layouts (all by default, in this order):
-#   fsdp          student FSDP over both GPUs, teacher FSDP (the default layouts)
-#   fsdp_keep     the same, the student's blocks kept gathered from forward to backward
+#   fsdp          student FSDP over both GPUs, teacher FSDP (set: a teacher this size is
+#                 replicated by default on GPUs)
+#   defaults      the default layouts: student FSDP, teacher replicated
+#   fsdp_keep     student FSDP with its blocks kept gathered from forward to backward, teacher FSDP
 #   fsdp_keep_trep  the same, the teacher replicated (a copy per GPU: no gathers)
 #   alone         the student alone (no teacher) on one GPU: the step's student time
 #   separate      the teacher on GPU 1, the student on GPU 0, targets streamed (teachers.0.placement)
 #   pp2_alone     the student in two pipeline stages, no teacher, 8 micro-batches (the bubble)
-#   pp2           the same with the teacher (FSDP over both GPUs)
+#   pp2           the same with the teacher (each stage computes half of its targets)
 #   tp2 cp2       student and teacher tensor / context parallel over both GPUs
 #   s_fsdp_t_tp2  student FSDP, teacher tensor parallel
 set -uo pipefail
@@ -39,10 +41,12 @@ two() {  # name, then bench step arguments: torchrun over both GPUs
         | tail -1 > "$OUT/step-2gpu-$name-$stamp.json"
     echo "$name: $(head -c 300 "$OUT/step-2gpu-$name-$stamp.json")"
 }
-stage fsdp && two fsdp "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --one-gpu-reference
+T=(--set teachers.0.parallel.dp_shard=2)
+stage fsdp && two fsdp "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 "${T[@]}" --one-gpu-reference
+stage defaults && two defaults "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --one-gpu-reference
 K=(--set student.parallel.reshard_after_forward=false)
 stage fsdp_keep && two fsdp_keep "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 "${K[@]}" \
-    --one-gpu-reference
+    "${T[@]}" --one-gpu-reference
 stage fsdp_keep_trep && two fsdp_keep_trep "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 "${K[@]}" \
     --set teachers.0.parallel.dp_replicate=2 --set teachers.0.parallel.dp_shard=1
 stage alone && one alone "${S[@]}" "${C[@]}" --micro-batch 2

@@ -4,7 +4,7 @@ all degrees 1, it has no mesh, and its models are built by the same steps."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from crossdistill.distributed.pipeline import StudentPipeline
 from crossdistill.distributed.runtime import Placed, Placement, TeacherPadding, mesh_for
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
+from crossdistill.models.loading import weight_bytes
 
 
 def parallel_config(model: ModelConfig) -> ParallelConfig:
@@ -41,11 +42,23 @@ class RunLayouts:
         return sum(self.separate[: k + 1])
 
 
-def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> RunLayouts:
+# a frozen teacher whose weights take at most this share of a GPU is replicated by default
+REPLICATE_TEACHER_SHARE = 0.25
+
+
+def plan_layouts(
+    cfg: Config,
+    world_size: int,
+    hf_s: Any,
+    hf_t: list[Any],
+    device_bytes: int | None = None,
+) -> RunLayouts:
     """Every model's layout, checked against the job's processes (`world_size`: all of them,
     every role's), the model's heads and the sequence lengths: a layout that cannot work is
     refused here, naming the rule it breaks. The student and colocated teachers span the
-    processes separate teachers leave; a separate teacher spans its `ranks`."""
+    processes separate teachers leave; a separate teacher spans its `ranks`. `device_bytes`:
+    one GPU's memory, which decides the default data parallelism of a teacher
+    (`teacher_parallel`); None keeps FSDP."""
     separate = [t.placement == "separate" for t in cfg.teachers]
     own = sum(t.ranks for t, s in zip(cfg.teachers, separate) if s)
     student_ranks = world_size - own
@@ -57,7 +70,8 @@ def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> Ru
     teachers = []
     for i, (tcfg, hf) in enumerate(zip(cfg.teachers, hf_t)):
         ranks = tcfg.ranks if separate[i] else student_ranks
-        layout = ParallelLayout.from_config(parallel_config(tcfg), ranks, f"teachers.{i}")
+        pcfg = teacher_parallel(parallel_config(tcfg), ranks, hf, tcfg.dtype, device_bytes)
+        layout = ParallelLayout.from_config(pcfg, ranks, f"teachers.{i}")
         if layout.pp > 1:
             raise UserError(
                 f"teachers.{i}.parallel.pp = {layout.pp}: pipeline stages are for the student "
@@ -85,6 +99,24 @@ def plan_layouts(cfg: Config, world_size: int, hf_s: Any, hf_t: list[Any]) -> Ru
             )
         teachers.append(layout)
     return RunLayouts(student, teachers, separate)
+
+
+def teacher_parallel(
+    pcfg: ParallelConfig, ranks: int, hf: Any, dtype: str, device_bytes: int | None
+) -> ParallelConfig:
+    """A teacher's parallel settings with the default data parallelism (`dp_shard: -1`,
+    `dp_replicate: 1`) decided: a frozen model needs no gradient sync, so a teacher whose
+    weights take at most `REPLICATE_TEACHER_SHARE` of a GPU gets a copy on every data rank (no
+    parameter gathers in its forwards: 96.9% of the one-GPU step per GPU against 75.9% sharded,
+    benchmarks/README.md "Two GPUs"); a larger one, or any on the CPU, is sharded. Degrees the
+    config sets are kept."""
+    others = pcfg.tp * pcfg.cp * pcfg.pp
+    default = pcfg.dp_shard == -1 and pcfg.dp_replicate == 1
+    if not default or device_bytes is None or ranks % others or ranks == others:
+        return pcfg
+    if weight_bytes(hf, dtype) > REPLICATE_TEACHER_SHARE * device_bytes:
+        return pcfg
+    return replace(pcfg, dp_replicate=ranks // others, dp_shard=1)
 
 
 def _check_pipeline(cfg: Config, pp: int, separate: list[bool]) -> None:

@@ -105,6 +105,17 @@ def build_causal_lm(
     return model
 
 
+def weight_bytes(hf_config: Any, dtype: str) -> int:
+    """Bytes of a model's weights in `dtype` (a config's name for it), counted on the meta
+    device (no memory, no init; tied weights once)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    count = sum(p.numel() for p in model.parameters())
+    return count * torch.empty((), dtype=DTYPES[dtype]).element_size()
+
+
 def build_meta_model(
     path: str | None,
     arch: str | None,

@@ -106,7 +106,11 @@ def plan_run(cfg: Config, env: DistEnv) -> RunPlan:
 
     resolved_s, resolved_t = validate_config(cfg)
     layouts = plan_layouts(
-        cfg, env.job_size, resolved_s.hf_config, [r.hf_config for r in resolved_t]
+        cfg,
+        env.job_size,
+        resolved_s.hf_config,
+        [r.hf_config for r in resolved_t],
+        device_bytes=_device_memory(env.device),
     )
     tok_s = load_tokenizer(resolved_s.tokenizer_spec)
     toks_t = [load_tokenizer(r.tokenizer_spec) for r in resolved_t]
@@ -120,6 +124,11 @@ def plan_run(cfg: Config, env: DistEnv) -> RunPlan:
     ]
     check_coverage(cfg, caches)
     return RunPlan(resolved_s, resolved_t, layouts, tok_s, toks_t, placement, caches)
+
+
+def _device_memory(device: torch.device) -> int | None:
+    """One GPU's memory (None off CUDA): it decides whether a teacher is replicated."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
 
 
 def build_components(cfg: Config, env: DistEnv | None = None) -> Components:

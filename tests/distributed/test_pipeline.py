@@ -253,5 +253,9 @@ def test_bad_pipeline_layouts_are_refused_before_loading(setup):
     assert "does not divide the world size 3" in refused(3, P(pp=2))
     assert "combine with data parallelism" in refused(4, P(pp=2, tp=2))
     assert "teachers.0.parallel.pp = 2" in refused(2, P(pp=2), teacher=P(pp=2, dp_shard=1))
+    # on GPUs the default teacher layout is decided by its size (tests/unit/test_teacher_layout)
+    on_gpus = plan_layouts(cfg, 2, res_s.hf_config, hf_t, device_bytes=80 * 2**30)
+    assert [t.dp_replicate for t in on_gpus.teachers] == [2, 2]  # tiny teachers: replicated
+    assert [t.dp_shard for t in plan_layouts(cfg, 2, res_s.hf_config, hf_t).teachers] == [2, 2]
     kept = refused(2, P(), teacher=P(reshard_after_forward=False))
     assert "teachers.0.parallel.reshard_after_forward = false" in kept
