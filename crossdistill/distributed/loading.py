@@ -24,6 +24,7 @@ from torch import nn
 from crossdistill.config import ModelConfig
 from crossdistill.distributed.layout import ParallelLayout
 from crossdistill.distributed.parallelize import parallelize_model
+from crossdistill.distributed.pipeline import keep_stage
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
 from crossdistill.models.loading import (
@@ -53,8 +54,6 @@ def build_parallel_model(
 ) -> nn.Module:
     """The model of `mcfg` under `layout` on this rank (see module doc); under pipeline
     parallelism (`layout.pp` > 1) the part of pipeline stage `stage` only."""
-    from crossdistill.distributed.pipeline import keep_stage
-
     dtype = parse_dtype(mcfg.dtype)
     options = {
         "trainable": trainable,

@@ -33,25 +33,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.errors import UserError
 from crossdistill.losses.payload import pack_targets, payload_nbytes, unpack_targets
 from crossdistill.losses.targets import TeacherTargets, kd_positions
 from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import HeldElsewhere, decoder_of
 
-SCHEDULES = ("1F1B", "GPipe")
-
 
 def stage_blocks(num_blocks: int, stages: int, head_blocks: float = 0.0) -> list[range]:
     """Contiguous blocks per stage (at least one each) with the largest stage cost as small as
     it can be, a block costing 1 and the last stage `head_blocks` more for its lm_head and loss
     (the work of the stage that runs longest sets the pipeline's pace); among equal splits the
-    earlier stages take more blocks."""
+    earlier stages take more blocks. Needs `stages <= num_blocks` (refused at load:
+    `ParallelLayout.check_model`)."""
     if stages > num_blocks:
-        raise UserError(
-            f"student.parallel.pp = {stages} is larger than the student's {num_blocks} blocks; "
-            f"each pipeline stage needs at least one block: choose pp <= {num_blocks}"
-        )
+        raise ValueError(f"{stages} pipeline stages cannot each hold one of {num_blocks} blocks")
     # best[s][n]: the smallest largest-stage cost of the last `s` stages holding the last `n`
     # blocks; the last stage adds `head_blocks`
     inf = float("inf")
@@ -96,12 +93,10 @@ def keep_stage(model: nn.Module, stage: int, stages: int) -> None:
     tied = _tied(model)
     if not last:
         decoder.norm = HeldElsewhere()
-        if not tied:
-            model.set_output_embeddings(None)
-    if not first and not (last and tied):
-        decoder.embed_tokens = None
-    if not last and tied and not first:
+    if not last and not (first and tied):  # tied: the first stage's head is its embedding
         model.set_output_embeddings(None)
+    if not first and not (last and tied):  # tied: the last stage's embedding is its head
+        decoder.embed_tokens = None
 
 
 def _tied(model: nn.Module) -> bool:
@@ -114,16 +109,13 @@ class StudentStage(nn.Module):
     (`x`: token ids on the first stage, the previous stage's hidden states elsewhere; `mb`: the
     micro-batch's index, which picks its positions and segments)."""
 
-    def __init__(self, model: nn.Module, first: bool, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype):
         super().__init__()
         self.model = model
-        self.first = first
         self.dtype = dtype
         self.inputs: list[tuple[Tensor, Any]] = []
 
     def forward(self, x: Tensor, mb: Tensor) -> Tensor:
-        from crossdistill.distributed.parallelize import model_hidden
-
         pos, segments = self.inputs[int(mb.reshape(-1)[0])]
         hidden = model_hidden(self.model, x, pos, segments)
         return hidden.to(self.dtype)
@@ -150,11 +142,10 @@ class StudentPipeline:
         self.stage, self.stages = pp.get_local_rank(), pp.size()
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.model, self.device, self.schedule_name = model, device, schedule
-        self.module = StudentStage(model, self.first, dtype)
+        self.module = StudentStage(model, dtype)
         self.rows, self.length = rows, length
         self.hidden_size = model.config.hidden_size
         self.dtype = dtype
-        self.tied = tied
         self._schedules: dict[int, Any] = {}
         self._loss_of: Callable[[int, Tensor], Tensor] | None = None  # the last stage's
         self._keys: list[str] | None = None
@@ -187,12 +178,12 @@ class StudentPipeline:
         return self._schedules[n]
 
     def _loss(self, hidden: Tensor, mb: Tensor) -> Tensor:
-        return self._loss_of(int(mb.reshape(-1)[0]), hidden)
+        return self._loss_of(int(mb.reshape(-1)[0]), hidden.flatten(0, 1))
 
     def train(self, batches: list, loss_of: Callable[[int, Tensor], Tensor] | None) -> None:
         """Forward and backward of every micro-batch in `batches` (this data rank's window) through
-        the pipeline; `loss_of(i, hidden)` returns micro-batch i's loss, already divided by the
-        global counts (the last stage's; None on the others). Gradients accumulate in the
+        the pipeline; `loss_of(i, hidden)` returns micro-batch i's loss from its final hidden
+        states `[B·T, H]`, already divided by the global counts (the last stage's; None on the others). Gradients accumulate in the
         stage's parameters."""
         n = len(batches)
         if n < self.stages:
@@ -222,10 +213,6 @@ class StudentPipeline:
 
     # ------------------------------------------------------------------ teacher targets
 
-    def splits_teachers(self, n: int) -> bool:
-        """Whether the stages share the teacher work of a step of `n` micro-batches."""
-        return n % self.stages == 0
-
     def spread_targets(
         self, batches: list, live: list[bool], compute: Callable[[int, int], TeacherTargets]
     ) -> list[list[TeacherTargets]] | None:
@@ -235,7 +222,7 @@ class StudentPipeline:
         `compute(i, k)`: teacher k's targets of micro-batch i on this rank (collective where the
         teacher is laid out across ranks: every stage calls it equally often)."""
         n, teachers = len(batches), len(live)
-        split = self.splits_teachers(n)
+        split = n % self.stages == 0  # the stages share the teacher work
         mine = [i for i in range(n) if not split or i % self.stages == self.stage]
         out: list[list[Any]] = [[None] * teachers for _ in range(n)]
         for k in range(teachers):
@@ -247,7 +234,7 @@ class StudentPipeline:
         for k in (k for k in range(teachers) if live[k]):
             if not self.last:  # this stage's share, in micro-batch order
                 for i in mine:
-                    dist.send(_packed(out[i][k]), group=self.group, group_dst=last)
+                    dist.send(pack_targets(out[i][k], "none"), group=self.group, group_dst=last)
                 continue
             like = out[mine[0]][k]  # the last stage's own share gives K and the temperature
             for i in range(n):
@@ -259,7 +246,7 @@ class StudentPipeline:
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Tensor | None:
-        """The final hidden states `[B, T, H]` of one micro-batch on the last stage (None on the
+        """The final hidden states `[B·T, H]` of one micro-batch on the last stage (None on the
         others): each stage runs it and hands it on (validation; no schedule needed)."""
         self.module.inputs = [(batch.position_ids.to(self.device), segments_of(batch, self.device))]
         mb = torch.zeros(1, dtype=torch.long)
@@ -271,7 +258,7 @@ class StudentPipeline:
             dist.recv(x, group=self.group, group_src=self.stage - 1)
         out = self.module(x, mb)
         if self.last:
-            return out
+            return out.flatten(0, 1)
         dist.send(out.contiguous(), group=self.group, group_dst=self.stage + 1)
         return None
 
@@ -315,10 +302,6 @@ class StudentPipeline:
             w = self.tied_weight()
             params = [p for p in params if p is not w]
         return params
-
-
-def _packed(t: TeacherTargets) -> Tensor:
-    return pack_targets(t, "none")
 
 
 def _receive(tb: Any, like: TeacherTargets, group: Any, stage: int) -> TeacherTargets:

@@ -48,6 +48,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
             s.teacher.to(dev)
     # this rank's share of the first eval_batches batches of the split, the same count on every
     # rank (a rank that ran out early would hang the others in a collective)
+    part_keys = ["ce", "num_ce"] + [f"{m}/{s.cfg.name}" for m in ("kd", "top1") for s in c.slots]
     for batch in c.val_loader.take(cfg.train.eval_batches):
         labels = batch.student.labels.to(dev).flatten()
         terms = []
@@ -69,14 +70,9 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
                 hidden, rows = place.student_hidden(c.student, batch.student)
             else:  # the stages hand the batch on; the last one scores it
                 hidden, rows = place.pipeline.forward(batch.student), None
-        part_keys = ["ce", "num_ce"] + [
-            f"{m}/{s.cfg.name}" for m in ("kd", "top1") for s in c.slots
-        ]
         if hidden is None:  # an earlier pipeline stage: adds zeros to the stages' sum
             metrics = dict.fromkeys(part_keys, torch.zeros((), device=dev))
         else:
-            if place.pipeline is not None:
-                hidden = hidden.flatten(0, 1)
             lm_head, vocab = place.lm_head(c.student)
             _, metrics = student_loss(
                 hidden,

@@ -180,9 +180,7 @@ def train_step(
 
     if pipe is not None:  # the stages run the micro-batches in the schedule's order
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
-            pipe.train(
-                [mb.student for mb in micro_batches], lambda i, h: loss_of(i, h.flatten(0, 1))
-            )
+            pipe.train([mb.student for mb in micro_batches], loss_of)
     else:
         for i, mb in enumerate(micro_batches):
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
