@@ -41,6 +41,7 @@ def run_seed(
     targets: tuple[str, ...] = ("first_piece",),
     top_k: int | None = None,
     student_lr: float | None = None,
+    student_bytes: int | None = None,
 ) -> dict:
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
@@ -66,7 +67,18 @@ def run_seed(
     student = demo._model(s, student_tok, v_s)
     lr = student_lr or s["lr"]
     lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
-    cfg = demo.stage_config(out, f"student_ce{lr_tag}", student, s["steps"], lr, seed, evals)
+    if student_bytes is not None:  # the students see the first N bytes of the teachers' text
+        lr_tag += f"_b{student_bytes}"
+        text = out / "data" / f"train_{student_bytes}.jsonl"
+        _first_bytes(out / "data" / "train.jsonl", text, student_bytes)
+
+    def student_stage(name: str, entries: list | None = None):
+        cfg = demo.stage_config(out, name, student, s["steps"], lr, seed, evals, entries)
+        if student_bytes is not None:
+            cfg.data.train = [str(text)]
+        return cfg
+
+    cfg = student_stage(f"student_ce{lr_tag}")
     result[f"ce_only{lr_tag}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
     k = top_k or demo.DEMO["top_k"]
     for name, loss, target in itertools.product(which, losses, targets):
@@ -85,13 +97,23 @@ def run_seed(
         tag += "" if target == "first_piece" else f"_{target}"
         tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + lr_tag
         for ratio in kd_ratios:
-            cfg = demo.stage_config(
-                out, f"kd_{tag}_{ratio}", student, s["steps"], lr, seed, evals, [entry]
-            )
+            cfg = student_stage(f"kd_{tag}_{ratio}", [entry])
             cfg.train.kd_ratio = ratio
             final = demo.run_stage(cfg, reuse=True)
             result[f"kd_{tag}_{ratio}_bpb"] = final["val/bpb/student"]
     return result
+
+
+def _first_bytes(src: Path, dst: Path, limit: int) -> None:
+    """The whole documents of `src` (JSONL) that fit in its first `limit` bytes of text."""
+    kept, size = [], 0
+    for line in src.read_text(encoding="utf-8").splitlines():
+        n = len(json.loads(line)["text"].encode())
+        if kept and size + n > limit:
+            break
+        kept.append(line)
+        size += n
+    dst.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
 
 
 def main() -> int:
@@ -107,6 +129,13 @@ def main() -> int:
     )
     p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
     p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
+    p.add_argument(
+        "--student-bytes",
+        type=int,
+        default=None,
+        help="students train on the first N bytes of the teachers' text (whole files, in "
+        "epochs); default: all of it",
+    )
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     out = Path(args.out)
@@ -123,6 +152,7 @@ def main() -> int:
                 tuple(args.targets),
                 args.top_k,
                 args.student_lr,
+                args.student_bytes,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -7,8 +7,10 @@ machine's Python sources as text, the trainer's own code):
 - `student_alone`: no teacher (kd_ratio 0), one process: the student's time;
 - `colocated`: the teacher in the student's process, between its steps (one process);
 - `separate`: `teachers.0.placement=separate` under torchrun with 2 processes, the student on
-  the first and the teacher on the second (on one GPU both share it, the link staged through
-  host memory; on two GPUs each has its own and the link is NCCL).
+  the first and the teacher on the second (on one GPU both share it and the targets travel as
+  CUDA IPC handles; on two GPUs each has its own and the link is NCCL);
+- `separate_host` (asked for with `--runs`): `separate` with `train.teacher_link=host`, the
+  targets staged through host memory (on one GPU: what CUDA IPC saves).
 
 Reported per run: median student tokens/s over the steps after `--warmup`, peak memory of the
 student's process, and for `separate` the share of time the student waited for targets
@@ -47,7 +49,7 @@ def corpus(folder: Path, needed_bytes: int) -> Path:
     return path
 
 
-def config(args, data: Path, out: Path, placement: str | None) -> dict:
+def config(args, data: Path, out: Path, placement: str | None, link: str = "auto") -> dict:
     cuda = args.device == "cuda"
     from crossdistill.bench.step_setup import TINY
 
@@ -80,6 +82,7 @@ def config(args, data: Path, out: Path, placement: str | None) -> dict:
             "log_every": 1,
             "device": args.device,
             "loss_chunk_size": 4096,
+            "teacher_link": link,
         },
         "optim": {"warmup_steps": 2},
         "run": {"out_dir": str(out), "tensorboard": False, "progress": False},
@@ -154,11 +157,12 @@ def main() -> None:
         workdir = Path(tmp)
         data = corpus(workdir, args.steps * args.micro_batch * args.seq_len * 5)
         placements = {"student_alone": (None, 1), "colocated": ("colocated", 1)}
-        placements["separate"] = ("separate", 2)
+        placements["separate"] = placements["separate_host"] = ("separate", 2)
         results = {}
         for name in args.runs:
             placement, processes = placements[name]
-            cfg = config(args, data, workdir / name, placement)
+            link = "host" if name == "separate_host" else "auto"
+            cfg = config(args, data, workdir / name, placement, link)
             results[name] = run(args, name, cfg, workdir, processes)
     record = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -175,6 +179,10 @@ def main() -> None:
     if {"separate", "colocated"} <= results.keys():
         record["separate_vs_colocated"] = (
             results["separate"]["tokens_per_s"] / results["colocated"]["tokens_per_s"]
+        )
+    if {"separate", "separate_host"} <= results.keys():
+        record["ipc_vs_host"] = (
+            results["separate"]["tokens_per_s"] / results["separate_host"]["tokens_per_s"]
         )
     if {"separate", "student_alone"} <= results.keys():
         record["separate_vs_student_alone"] = (

@@ -179,6 +179,11 @@ class TrainConfig:
     # of the student, and how long a student waits for targets before it ends the job
     teacher_prefetch: int = 2
     teacher_timeout_s: float = 600.0
+    # how targets travel between processes that share a GPU: "auto" = CUDA IPC (the student
+    # copies the teacher's buffer on the GPU) where both processes can open each other's
+    # memory, else through host memory; "host" = always through host memory (a comparison, or
+    # a container that forbids CUDA IPC). Processes with GPUs of their own always use NCCL.
+    teacher_link: Literal["auto", "host"] = "auto"
     # the loss and the teachers' targets: "auto" = the fused Triton kernels on CUDA, "pytorch"
     # = the plain PyTorch code everywhere (a comparison, or a GPU without Triton support)
     loss_kernels: Literal["auto", "pytorch"] = "auto"

@@ -6,7 +6,10 @@ own default process group (`init_process_group` over a prefix of the job's store
 student's layouts, collectives and checkpoints are those of a plain job of its size, and a
 teacher's layout (`teachers.N.parallel`) spans its ranks only. One more group over the whole
 job, the link, carries point-to-point traffic between roles: NCCL where every process has a
-GPU of its own, else gloo (buffers staged through host memory, e.g. processes sharing a GPU).
+GPU of its own. Where processes share GPUs (NCCL refuses such a group), two processes on one GPU
+exchange CUDA IPC handles instead (the receiver copies the sender's buffer on the GPU; probed
+once at start, `train.teacher_link: host` turns it off), and any other pair stages its buffers
+through host memory over gloo.
 
 Who talks to whom. A teacher's data-parallel group j (its ranks that run one forward together)
 serves the student's data ranks d with d mod dp_t = j: it reads the same global batches as they
@@ -28,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -79,10 +83,11 @@ def separate_ranks(cfg: Config, world_size: int) -> tuple[int, ...]:
     return sizes
 
 
-def init_roles(device: str, separate: tuple[int, ...]) -> DistEnv:
+def init_roles(device: str, separate: tuple[int, ...], ipc: bool = True) -> DistEnv:
     """`init_distributed`, for a job with separate teachers (`separate`: the ranks of each, in
     teacher order; empty: a plain job): this process's role, its role's process group and the
-    job-wide link (see module doc)."""
+    job-wide link (see module doc). `ipc`: processes sharing a GPU may exchange CUDA IPC
+    handles (`train.teacher_link`)."""
     if not separate:
         return init_distributed(device)
     if dist.is_available() and dist.is_initialized():
@@ -90,10 +95,10 @@ def init_roles(device: str, separate: tuple[int, ...]) -> DistEnv:
             "separate teachers split the job into roles when it starts; start the job with "
             "torchrun (no process group of the caller's)"
         )
-    return _join_roles(job_size(), separate, wants_cuda(device))
+    return _join_roles(job_size(), separate, wants_cuda(device), ipc)
 
 
-def _join_roles(world: int, separate: tuple[int, ...], cuda: bool) -> DistEnv:
+def _join_roles(world: int, separate: tuple[int, ...], cuda: bool, ipc: bool) -> DistEnv:
     rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     sizes = (world - sum(separate), *separate)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -131,20 +136,39 @@ def _join_roles(world: int, separate: tuple[int, ...], cuda: bool) -> DistEnv:
             world,
             dist.ProcessGroupNCCL.Options(),
         )
-    link = Link(control, data, dev, staged=cuda and staged)
+    peers = ipc_peers(control, rank, world, dev) if cuda and staged and ipc else frozenset()
+    link = Link(control, data, dev, staged=cuda and staged, ipc=peers)
     return DistEnv(role_rank, sizes[role], local, dev, True, role, rank, sizes, link)
 
 
 class Link:
     """Point-to-point transfers between the job's processes (global ranks): byte buffers on the
-    `data` group (NCCL between GPUs of their own, else gloo), small host messages (batch ids,
-    the start step) on the gloo `control` group."""
+    `data` group (NCCL between GPUs of their own, else gloo), or as CUDA IPC handles on the
+    control group to the peers in `ipc` (same GPU); small host messages (batch ids, the start
+    step) on the gloo `control` group."""
 
-    def __init__(self, control: Any, data: Any, device: torch.device, staged: bool):
+    def __init__(
+        self,
+        control: Any,
+        data: Any,
+        device: torch.device,
+        staged: bool,
+        ipc: frozenset[int] = frozenset(),
+    ):
         self.control = control
         self.data = data
         self.device = device
         self.staged = staged  # gloo between GPU processes: through host memory
+        self.ipc = ipc  # global ranks on this process's GPU that open its memory (and it theirs)
+        self._copies: Any = None  # the stream that copies IPC buffers (created on first use)
+
+    def transport(self, peer: int) -> str:
+        """How buffers travel between this process and `peer`, in words."""
+        if peer in self.ipc:
+            return "CUDA IPC (the same GPU)"
+        if self.staged:
+            return "gloo through host memory"
+        return "gloo" if self.device.type == "cpu" else "NCCL"
 
     def _group(self, control: bool) -> Any:
         return self.control if control else self.data
@@ -158,6 +182,11 @@ class Link:
 
     def isend(self, buf: Tensor, dst: int, who: str, control: bool = False) -> tuple[Any, Tensor]:
         """Start sending `buf` to `dst`: (work, the buffer to keep alive until it completes)."""
+        if not control and dst in self.ipc:
+            # the handle, not the bytes; once the receiver opened it, PyTorch's cross-process
+            # reference count keeps the memory alive until it lets go, whatever this side frees
+            with _failure(who):
+                return _GlooWork(self.control.send([ipc_handle(buf)], dst, 0)), buf
         if self._host(control):
             buf = buf.cpu()
         with _failure(who):
@@ -168,12 +197,33 @@ class Link:
     ) -> Tensor:
         """`nbytes` from `src`, waiting until `deadline` (time.monotonic); on the host for a
         control message, else on this process's device."""
+        if not control and src in self.ipc:
+            handle = self.recv(IPC_MESSAGE_BYTES, src, deadline, who, control=True)
+            return self._open(handle, nbytes, who)
         host = self._host(control)
         buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu" if host else self.device)
         with _failure(who):
             work = self._work(self._group(control).recv([buf], src, 0), control)
         wait(work, deadline, who)
         return buf.to(self.device, non_blocking=True) if self.staged and not control else buf
+
+    def _open(self, handle: Tensor, nbytes: int, who: str) -> Tensor:
+        """A copy, on this process's GPU, of the buffer another process shared by `handle`."""
+        if self._copies is None:
+            self._copies = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(self._copies):
+            shared = ipc_open(handle)  # the copy stream waits for the sender's writes
+            if shared.numel() != nbytes:
+                raise UserError(
+                    f"{who}: the shared buffer holds {shared.numel()} bytes where {nbytes} were "
+                    f"expected; {_HINT}"
+                )
+            out = shared.clone()
+        # the sender may reuse its memory once `shared` is gone: the copy must have finished
+        self._copies.synchronize()
+        del shared
+        out.record_stream(torch.cuda.current_stream(self.device))
+        return out
 
     def abort(self) -> None:
         """Drop the link's pending transfers (a job that ends on an error must not hang)."""
@@ -182,6 +232,57 @@ class Link:
             if callable(with_abort):
                 with contextlib.suppress(Exception):  # best effort: the job ends anyway
                     with_abort()
+
+
+IPC_MESSAGE_BYTES = 1024  # a pickled CUDA IPC handle (about 400 bytes) and its length
+
+
+def ipc_handle(buf: Tensor) -> Tensor:
+    """A host message another process on this GPU opens with `ipc_open` (the buffer's memory
+    handle, its place in that memory and an event recorded after the current stream's writes)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    _, args = reduce_tensor(buf)
+    body = pickle.dumps(args)
+    if len(body) + 8 > IPC_MESSAGE_BYTES:
+        raise RuntimeError(f"a CUDA IPC handle of {len(body)} bytes does not fit its message")
+    message = torch.zeros(IPC_MESSAGE_BYTES, dtype=torch.uint8)
+    message[:8] = torch.tensor([len(body)], dtype=torch.int64).view(torch.uint8)
+    message[8 : 8 + len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    return message
+
+
+def ipc_open(message: Tensor) -> Tensor:
+    """The tensor of `ipc_handle`'s message, in the sender's memory (the current stream waits
+    for the sender's writes); release it soon, the sender's memory stays held until then."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    size = int(message[:8].view(torch.int64)[0])
+    return rebuild_cuda_tensor(*pickle.loads(message[8 : 8 + size].numpy().tobytes()))
+
+
+def ipc_peers(control: Any, rank: int, world: int, device: torch.device) -> frozenset[int]:
+    """The ranks on this process's GPU whose memory it can open and which can open its own,
+    probed with a small buffer each (a container may forbid CUDA IPC: those pairs stay on host
+    memory). Every process of the job calls this at once."""
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    probe = torch.full((1,), rank + 1, dtype=torch.int64, device=device)
+    ident = torch.zeros(64, dtype=torch.uint8)
+    ident[: len(uuid)] = torch.frombuffer(bytearray(uuid.encode()), dtype=torch.uint8)
+    mine = torch.cat([ident, ipc_handle(probe)])
+    every = [torch.empty_like(mine) for _ in range(world)]
+    control.allgather([every], [mine]).wait()
+    opened = torch.zeros(world, dtype=torch.uint8)
+    for peer, message in enumerate(every):
+        if peer == rank or not torch.equal(message[:64], ident):
+            continue
+        with contextlib.suppress(Exception):  # refused by the driver or the container
+            shared = ipc_open(message[64:])
+            opened[peer] = int(shared.item() == peer + 1)  # .item() waits for the copy
+            del shared
+    matrix = [torch.empty_like(opened) for _ in range(world)]
+    control.allgather([matrix], [opened]).wait()  # also: every peer let go of `probe`
+    return frozenset(p for p in range(world) if opened[p] and matrix[p][rank])
 
 
 def wait(work: Any, deadline: float, who: str) -> None:

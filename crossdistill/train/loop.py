@@ -48,7 +48,11 @@ def train(cfg: Config, resume: bool = False, stop_after: int | None = None) -> d
     would be due or not, exactly as a killed job would (for time-sliced schedulers: resume
     with `resume=True`). Under `torchrun`, every process calls this; rank 0 returns the
     metrics, the other ranks an empty dict (so that the job reports them once)."""
-    env = init_roles(cfg.train.device, separate_ranks(cfg, job_size()))
+    env = init_roles(
+        cfg.train.device,
+        separate_ranks(cfg, job_size()),
+        ipc=cfg.train.teacher_link == "auto",
+    )
     try:
         if env.role > 0:  # a separate teacher's process: it serves the student its targets
             from crossdistill.train.serve import serve_teacher
@@ -104,6 +108,13 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                 f"warning: train.kd_ratio = {cfg.train.kd_ratio} but no teacher is configured: "
                 "training on cross-entropy alone (add teachers, or set train.kd_ratio=0)"
             )
+        for slot in c.slots:
+            if slot.stream is not None:
+                source = slot.stream.source
+                logger.write(
+                    f"teacher {slot.stream.name!r}: separate, targets from rank {source} of the "
+                    f"job over {slot.stream.link.transport(source)}"
+                )
         batches = iter(c.train_loader)
         t_last, tokens = time.perf_counter(), 0
         waited_last = target_wait(c.slots) or 0.0

@@ -326,3 +326,16 @@ def test_bench_step_times_a_separate_teacher(tokenizer_dir, tmp_path):
     )
     assert alone.returncode == 2
     assert "torchrun --nproc_per_node 2" in alone.stderr
+
+
+def test_the_link_names_how_buffers_travel():
+    import torch
+
+    from crossdistill.distributed.streams import Link
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert Link(None, None, cpu, staged=False).transport(1) == "gloo"
+    assert Link(None, None, gpu, staged=False).transport(1) == "NCCL"
+    shared = Link(None, None, gpu, staged=True, ipc=frozenset({2}))
+    assert shared.transport(2) == "CUDA IPC (the same GPU)"
+    assert shared.transport(1) == "gloo through host memory"
