@@ -19,6 +19,8 @@
 #   pp2           the same with the teacher (each stage computes half of its targets)
 #   tp2 cp2       student and teacher tensor / context parallel over both GPUs
 #   s_fsdp_t_tp2  student FSDP, teacher tensor parallel
+#   long_one      one sequence of 32,768 tokens per micro-batch on one GPU (not in memory there)
+#   long_cp2      the same, student and teacher context parallel over both GPUs
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TOK=${TOK:?set TOK to the tokenizers folder}
@@ -61,4 +63,12 @@ stage cp2 && two cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
     --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
 stage s_fsdp_t_tp2 && two s_fsdp_t_tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
     --set teachers.0.parallel.tp=2
+L=(--seq-len 32768 --compile --steps 4 --warmup 2 --json --micro-batch 1)
+if stage long_one; then  # expected to run out of memory: its error is the record
+    python3 -m crossdistill bench step "${S[@]}" "${Q[@]}" "${L[@]}" \
+        > "$OUT/step-2gpu-long_one-$stamp.json" 2> "$OUT/step-2gpu-long_one-$stamp.err"
+    echo "long_one: exit $?, $(tail -c 300 "$OUT/step-2gpu-long_one-$stamp.err")"
+fi
+stage long_cp2 && two long_cp2 "${S[@]}" "${Q[@]}" "${L[@]}" \
+    --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
 exit 0

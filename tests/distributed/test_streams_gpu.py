@@ -89,7 +89,7 @@ def test_a_separate_teacher_on_the_same_gpu_gives_the_colocated_run(tmp_path, to
             c.teachers[0].placement = "separate"
         h.spawn(_train_worker, processes, c, None, errors=tmp_path / f"e-{name}", group=False)
         runs[name] = _metrics(Path(c.run.out_dir))
-        said[name] = capfd.readouterr().out  # the workers' stdout
+        said[name] = capfd.readouterr().err  # the workers' log (stderr)
     assert "targets from rank 1 of the job over CUDA IPC" in said["ipc"]
     assert "over gloo through host memory" in said["host"]
     assert len(runs["colocated"]) >= 4
