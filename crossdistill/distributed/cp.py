@@ -6,9 +6,14 @@ the same amount of causal-attention work.
 
 Attention gathers the keys and values of the whole sequence from the group (all-gather in
 forward, reduce-scatter of their gradients in backward) and each rank attends with its own query
-rows under the packed-document causal mask, built once per forward from the global positions.
-This is the all-gather form of context parallelism: it supports the block-diagonal masks of
-packed documents, and runs on gloo (CPU) as on NCCL. PyTorch's ring-attention
+rows. Where the flash kernel runs (CUDA, bf16/fp16), each of the rank's two pieces is cut at
+document boundaries into segments, and a segment's queries attend to the keys of its document
+from the document's start to the segment's end: variable-length flash attention with separate
+query and key lengths (the queries are the last rows of their keys, where the kernel's causal
+mask sits), so only each document's causal triangle is computed. Elsewhere the same attention
+runs through SDPA under the packed-document causal mask over all gathered keys. Both are built
+once per forward from the global positions. This is the all-gather form of context parallelism:
+it supports packed documents, and runs on gloo (CPU) as on NCCL. PyTorch's ring-attention
 `torch.distributed.tensor.experimental.context_parallel` only takes a plain causal mask and only
 runs on CUDA, so it cannot keep packed documents apart; it is not used.
 
@@ -79,19 +84,94 @@ def global_rows(batch: int, length: int, cp: int, rank: int, device=None) -> Ten
 
 
 @dataclass
+class CPSegments:
+    """A rank's attention segments for the flash kernel: segment i is local query rows
+    `cu_q[i]:cu_q[i+1]` (flattened `[B·T/cp]`, in the rank's order) against the gathered key
+    rows `key_rows[cu_k[i]:cu_k[i+1]]` (flattened `[B·T]`, in gathered order)."""
+
+    cu_q: Tensor
+    cu_k: Tensor
+    key_rows: Tensor
+    max_q: int
+    max_k: int
+
+    def to(self, device: torch.device) -> CPSegments:
+        move = {"device": device, "non_blocking": True}
+        return CPSegments(
+            self.cu_q.to(**move),
+            self.cu_k.to(**move),
+            self.key_rows.to(**move),
+            self.max_q,
+            self.max_k,
+        )
+
+
+def cp_segments(position_ids: Tensor, cp: int, rank: int) -> CPSegments:
+    """`CPSegments` of rank `rank` for `position_ids [B, T]` (on the host: index arithmetic,
+    no device work). Documents as `document_ids` finds them."""
+    batch, length = position_ids.shape
+    piece = length // (2 * cp)
+    docs = document_ids(position_ids.cpu()).flatten()
+    # every document's first flat row (a new document wherever the id changes or a row starts)
+    starts = torch.ones(batch * length, dtype=torch.bool)
+    starts[1:] = docs[1:] != docs[:-1]
+    starts[::length] = True
+    cu = torch.cat([torch.nonzero(starts).flatten(), torch.tensor([batch * length])])
+    base = torch.arange(batch).unsqueeze(1) * length
+    first = torch.tensor([rank * piece, (2 * cp - 1 - rank) * piece])
+    a = (base + first).flatten()  # the rank's pieces, in its row order: [B·2] flat starts
+    e = a + piece
+    doc_a = torch.searchsorted(cu, a, right=True) - 1
+    doc_e = torch.searchsorted(cu, e - 1, right=True) - 1
+    counts = doc_e - doc_a + 1
+    of = torch.repeat_interleave(torch.arange(a.numel()), counts)  # piece of each segment
+    offsets = torch.cumsum(counts, 0) - counts
+    doc = doc_a[of] + torch.arange(of.numel()) - offsets[of]
+    q_start = torch.maximum(a[of], cu[doc])
+    q_end = torch.minimum(e[of], cu[doc + 1])
+    k_start = cu[doc]
+    q_len, k_len = q_end - q_start, q_end - k_start
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(q_len, 0)])
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(k_len, 0)])
+    flat = torch.repeat_interleave(k_start - cu_k[:-1], k_len) + torch.arange(int(cu_k[-1]))
+    # global flat row b·T + t -> its row in the gathered order
+    where = torch.empty(length, dtype=torch.long)
+    where[gathered_order(length, cp)] = torch.arange(length)
+    key_rows = flat // length * length + where[flat % length]
+    return CPSegments(cu_q.int(), cu_k.int(), key_rows, int(q_len.max()), int(k_len.max()))
+
+
+@dataclass
 class CPState:
-    """One model's context-parallel group, and the mask of the sequence it is processing (set
-    by `begin` before each forward; attention layers read it, also when recomputing)."""
+    """One model's context-parallel group, and the sequence it is processing (set by `begin`
+    before each forward; attention layers read its mask or segments, also when recomputing,
+    each built once per forward on first use)."""
 
     group: Any
     size: int
     rank: int
-    mask: Tensor | None = None
+    positions: Tensor | None = None
+    _mask: Tensor | None = None
+    _segments: CPSegments | None = None
 
     def begin(self, position_ids: Tensor) -> Tensor:
-        """Set the mask for full `position_ids [B, T]`; return this rank's rows' positions."""
-        self.mask = cp_mask(position_ids, self.size, self.rank)
+        """Take full `position_ids [B, T]`; return this rank's rows' positions."""
+        self.positions, self._mask, self._segments = position_ids, None, None
         return shard_rows(position_ids, self.size, self.rank)
+
+    @property
+    def mask(self) -> Tensor:
+        if self._mask is None:
+            self._mask = cp_mask(self.positions, self.size, self.rank)
+        return self._mask
+
+    @property
+    def segments(self) -> CPSegments:
+        """The flash kernel's segments (one host copy of the positions per forward)."""
+        if self._segments is None:
+            device = self.positions.device
+            self._segments = cp_segments(self.positions, self.size, self.rank).to(device)
+        return self._segments
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -124,6 +204,7 @@ def gather_sequence(x: Tensor, group: Any) -> Tensor:
     return _GatherSequence.apply(x, group)
 
 
+@torch.compiler.disable  # collectives and host-built segments: outside compiled graphs
 def cp_attention(
     module: torch.nn.Module,
     query: Tensor,
@@ -136,9 +217,19 @@ def cp_attention(
 ) -> tuple[Tensor, None]:
     """Hugging Face attention interface: `query [B, H, T/cp, D]`, `key`/`value`
     `[B, H_kv, T/cp, D]` -> `[B, T/cp, H, D]`."""
+    from crossdistill.models.attention import compute_dtype, flash_ok, flash_varlen, flat_heads
+
     state: CPState = module.cp_state
     k = gather_sequence(key, state.group)
     v = gather_sequence(value, state.group)
+    dtype = compute_dtype(query)
+    if not dropout and flash_ok(query, scaling, dtype):
+        b, h, t, d = query.shape
+        seg = state.segments
+        q = flat_heads(query, dtype)
+        k, v = (flat_heads(x, dtype).index_select(0, seg.key_rows) for x in (k, v))
+        out = flash_varlen(q, k, v, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k, scaling)
+        return out.view(b, t, h, d), None
     out = F.scaled_dot_product_attention(
         query,
         k,

@@ -97,7 +97,7 @@ def segment_kwargs(cu_seqlens: Tensor, max_len: int) -> dict[str, Any]:
     }
 
 
-def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = None) -> bool:
+def flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = None) -> bool:
     """Whether the flash kernel runs `query` (computing in `dtype`, default its own)."""
     if not query.is_cuda or (dtype or query.dtype) not in (torch.float16, torch.bfloat16):
         return False
@@ -109,26 +109,61 @@ def _flash_ok(query: Tensor, scaling: float | None, dtype: torch.dtype | None = 
 
 
 class _FlashVarlen(torch.autograd.Function):
-    """Causal FlashAttention-2 over segments: `q [N, H, D]`, `k`/`v` `[N, H_kv, D]` (H_kv
-    dividing H: the kernel shares each key/value head across its query heads)."""
+    """Causal FlashAttention-2 over segments: `q [N, H, D]`, `k`/`v` `[N_k, H_kv, D]` (H_kv
+    dividing H: the kernel shares each key/value head across its query heads). Segment i is
+    query rows `cu_q[i]:cu_q[i+1]` against key rows `cu_k[i]:cu_k[i+1]`; where a segment has
+    fewer queries than keys, the queries are the keys' last rows (the kernel's causal mask is
+    aligned to the bottom right)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
         )
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale = max_len, scale
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0,
+            grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0,
             True, rng, unused, scale=ctx.scale,
         )  # fmt: skip
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
+
+
+def flash_varlen(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int, scale
+) -> Tensor:
+    """`_FlashVarlen` (see there): `[N, H, D]` out of token-major `q`, `k`, `v` in the
+    kernel's dtype, `cu_q`/`cu_k` int32 on their device."""
+    return _FlashVarlen.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+
+def varlen_reference(
+    q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, scale: float | None
+) -> Tensor:
+    """What `flash_varlen` computes, one segment at a time through SDPA (any device and dtype;
+    tests and the float64 checks)."""
+    out = torch.empty_like(q)
+    for i in range(cu_q.numel() - 1):
+        q0, q1, k0, k1 = (int(x) for x in (cu_q[i], cu_q[i + 1], cu_k[i], cu_k[i + 1]))
+        if q1 == q0:
+            continue
+        lq, lk = q1 - q0, k1 - k0
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+        seg = F.scaled_dot_product_attention(
+            q[q0:q1].transpose(0, 1),
+            k[k0:k1].transpose(0, 1),
+            v[k0:k1].transpose(0, 1),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        out[q0:q1] = seg.transpose(0, 1)
+    return out
 
 
 @torch.compiler.disable  # a graph break inside compiled blocks: the kernels are opaque anyway
@@ -161,11 +196,11 @@ def varlen_attention(
     if window is not None and window >= max_len:
         window = None  # no segment is longer than the window: plain causal
     dtype = compute_dtype(query)
-    if window is not None or not _flash_ok(query, scaling, dtype):
+    if window is not None or not flash_ok(query, scaling, dtype):
         return _masked_sdpa(query, key, value, cu, scaling, window), None
-    q, k, v = (_flat(x, dtype) for x in (query, key, value))
+    q, k, v = (flat_heads(x, dtype) for x in (query, key, value))
     cu = cu.to(device=q.device, dtype=torch.int32)
-    out = _FlashVarlen.apply(q, k, v, cu, max_len, scaling)
+    out = flash_varlen(q, k, v, cu, cu, max_len, max_len, scaling)
     return out.view(b, t, h, d), None
 
 
@@ -180,7 +215,7 @@ def flash_covers(model: torch.nn.Module, device: torch.device, longest: int) -> 
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     dtype = next(model.parameters()).dtype
     query = torch.empty(0, heads, 0, head_dim, dtype=dtype, device=device)
-    if not _flash_ok(query, None, compute_dtype(query)):
+    if not flash_ok(query, None, compute_dtype(query)):
         return False
     window = getattr(cfg, "sliding_window", None)
     windowed = getattr(cfg, "use_sliding_window", True) is not False
@@ -230,7 +265,7 @@ def token_major_rotary(module: Any) -> None:
     module.apply_rotary_pos_emb = wrapped
 
 
-def _flat(x: Tensor, dtype: torch.dtype) -> Tensor:
+def flat_heads(x: Tensor, dtype: torch.dtype) -> Tensor:
     """`[B, H, T, D]` -> `[B·T, H, D]` in `dtype`, at most one copy."""
     b, h, t, d = x.shape
     x = x.transpose(1, 2)

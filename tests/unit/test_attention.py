@@ -159,7 +159,7 @@ def test_flash_varlen_matches_float64_reference(heads):
     float64, and no host synchronisation when the segments come from the collator."""
     from crossdistill.models import attention
 
-    _flash_ok = attention._flash_ok
+    flash_ok = attention.flash_ok
 
     h, h_kv = heads
     g = torch.Generator().manual_seed(5)
@@ -168,7 +168,7 @@ def test_flash_varlen_matches_float64_reference(heads):
     k, v = (torch.randn(3, h_kv, 256, 64, generator=g) for _ in range(2))
     cu, longest = segments_from_docs(doc)
     leaves = [x.cuda().bfloat16().requires_grad_(True) for x in (q, k, v)]
-    assert _flash_ok(leaves[0], None)
+    assert flash_ok(leaves[0], None)
     cu_d = torch.as_tensor(cu).cuda()
     torch.cuda.set_sync_debug_mode("error")
     try:
