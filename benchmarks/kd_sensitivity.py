@@ -11,6 +11,10 @@ two equal-compute students), run for several seeds with, per seed:
   projection). If KD at a given weight helps with this teacher and hurts with the
   cross-tokenizer one, the projection is to blame; if both hurt, the weight is.
 
+Students train on the demo's first `student_bytes` of the teachers' text (`--student-bytes`).
+Each run is scored twice: its own validation (the first `eval_batches` batches of the held-out
+files, the `*_bpb` keys) and every held-out file (`*_heldout_bpb`, as the demo reports).
+
 `--losses` runs other KD losses too (e.g. `chunk_likelihood`, which compares the likelihoods
 of whole aligned chunks and needs no vocabulary projection). Prints one JSON object (held-out bits
 per byte of every run) and writes it to `--out`/`kd_sensitivity.json`. Runs already made in
@@ -60,26 +64,33 @@ def run_seed(
         "same": demo._model(t, student_tok, v_s),  # the student's own tokenizer
     }
     result: dict = {"seed": seed}
+    val = out / "data" / "val.jsonl"
+
+    def score(cfg, key: str) -> None:
+        """`key`: the run's validation (its first batches); `key` with `heldout`: every file."""
+        result[f"{key}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
+        result[f"{key}_heldout_bpb"] = demo.heldout_bpb(Path(cfg.run.out_dir), val)
+
     for name in which:  # only the teachers asked for
         model = teachers[name]
         cfg = demo.stage_config(out, f"teacher_{name}", model, t["steps"], t["lr"], seed, evals)
-        result[f"teacher_{name}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
+        score(cfg, f"teacher_{name}")
     student = demo._model(s, student_tok, v_s)
     lr = student_lr or s["lr"]
     lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
-    if student_bytes is not None:  # the students see the first N bytes of the teachers' text
+    if student_bytes:  # the students see the first N bytes of the teachers' text
         lr_tag += f"_b{student_bytes}"
         text = out / "data" / f"train_{student_bytes}.jsonl"
-        _first_bytes(out / "data" / "train.jsonl", text, student_bytes)
+        kept = demo.first_bytes(train_texts, student_bytes)
+        text.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept), encoding="utf-8")
 
     def student_stage(name: str, entries: list | None = None):
         cfg = demo.stage_config(out, name, student, s["steps"], lr, seed, evals, entries)
-        if student_bytes is not None:
+        if student_bytes:
             cfg.data.train = [str(text)]
         return cfg
 
-    cfg = student_stage(f"student_ce{lr_tag}")
-    result[f"ce_only{lr_tag}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
+    score(student_stage(f"student_ce{lr_tag}"), f"ce_only{lr_tag}")
     k = top_k or demo.DEMO["top_k"]
     for name, loss, target in itertools.product(which, losses, targets):
         if target != "first_piece" and loss not in DISTRIBUTION_LOSSES:
@@ -99,21 +110,8 @@ def run_seed(
         for ratio in kd_ratios:
             cfg = student_stage(f"kd_{tag}_{ratio}", [entry])
             cfg.train.kd_ratio = ratio
-            final = demo.run_stage(cfg, reuse=True)
-            result[f"kd_{tag}_{ratio}_bpb"] = final["val/bpb/student"]
+            score(cfg, f"kd_{tag}_{ratio}")
     return result
-
-
-def _first_bytes(src: Path, dst: Path, limit: int) -> None:
-    """The whole documents of `src` (JSONL) that fit in its first `limit` bytes of text."""
-    kept, size = [], 0
-    for line in src.read_text(encoding="utf-8").splitlines():
-        n = len(json.loads(line)["text"].encode())
-        if kept and size + n > limit:
-            break
-        kept.append(line)
-        size += n
-    dst.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
 
 
 def main() -> int:
@@ -134,11 +132,14 @@ def main() -> int:
         type=int,
         default=None,
         help="students train on the first N bytes of the teachers' text (whole files, in "
-        "epochs); default: all of it",
+        "epochs); default: the demo's; 0: all of it",
     )
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     out = Path(args.out)
+    from crossdistill.train.demo import DEMO
+
+    student_bytes = DEMO["student_bytes"] if args.student_bytes is None else args.student_bytes
     t0 = time.perf_counter()
     rows = []
     for seed in args.seeds:
@@ -152,7 +153,7 @@ def main() -> int:
                 tuple(args.targets),
                 args.top_k,
                 args.student_lr,
-                args.student_bytes,
+                student_bytes,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

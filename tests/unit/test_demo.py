@@ -30,6 +30,7 @@ def test_shipped_demo_config_is_the_demo_kd_stage():
         0,
         demo.DEMO["eval_batches"],
         teachers=[teacher],
+        train_file=demo.STUDENT_TEXT,
     )
     assert to_dict(load_config(REPO / "configs" / "demo.yaml")) == to_dict(ran)
 
