@@ -23,6 +23,10 @@ import yaml
 
 from crossdistill.errors import UserError
 
+# Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
+# different numbers of tokens (byte-level BPEs differ by up to ~2x on code and CJK).
+TEACHER_LENGTH_FACTOR = 2
+
 # The choices of the settings below, defined once (the modules that act on them import these).
 DistributionLoss = Literal["forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd"]
 LossName = Literal[

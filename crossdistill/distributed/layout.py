@@ -209,6 +209,21 @@ class ParallelLayout:
                 "equal pieces"
             )
 
+    def check_window(self, hf_config: Any, longest: int, what: str) -> None:
+        """Context parallelism's attention is causal over whole documents: a model with
+        sliding-window layers (Mistral, Gemma-3's local layers) whose window is shorter than
+        its rows would attend past the window."""
+        window = getattr(hf_config, "sliding_window", None)
+        if getattr(hf_config, "use_sliding_window", True) is False:
+            window = None
+        if self.cp > 1 and window is not None and window < longest:
+            raise UserError(
+                f"{self.label}.parallel.cp = {self.cp}: the model's attention has a sliding "
+                f"window of {window} tokens, shorter than its rows ({what} = {longest}), and "
+                "context parallelism does not apply sliding windows; lay it out without cp, or "
+                f"keep its rows within {window} tokens"
+            )
+
     def build_mesh(self, device_type: str) -> NamedMesh | None:
         """One named `DeviceMesh` with axes `AXES`, plus the flattened `dp`, `fsdp`, `loss` and
         `cp_tp` axes; None for a single process."""

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from crossdistill.config import Config, ModelConfig, ParallelConfig
+from crossdistill.config import TEACHER_LENGTH_FACTOR, Config, ModelConfig, ParallelConfig
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.loading import build_parallel_model
 from crossdistill.distributed.parallelize import fsdp_mesh
@@ -65,6 +65,7 @@ def plan_layouts(
     student = ParallelLayout.from_config(parallel_config(cfg.student), student_ranks, "student")
     student.check_model(hf_s)
     student.check_sequence(cfg.data.seq_len, "data.seq_len")
+    student.check_window(hf_s, cfg.data.seq_len, "data.seq_len")
     if student.pp > 1:
         _check_pipeline(cfg, student.pp, separate)
     teachers = []
@@ -86,6 +87,8 @@ def plan_layouts(
         layout.check_model(hf)
         # teacher rows are padded to a multiple of data.pad_multiple
         layout.check_sequence(cfg.data.pad_multiple, "data.pad_multiple")
+        longest = cfg.data.seq_len * TEACHER_LENGTH_FACTOR
+        layout.check_window(hf, longest, f"data.seq_len x {TEACHER_LENGTH_FACTOR}")
         if tcfg.offload and student_ranks > 1:
             raise UserError(
                 f"teachers.{i}.offload parks a whole teacher on the CPU, which a job of several "

@@ -11,12 +11,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from crossdistill.config import DISTRIBUTION_LOSSES, Config, ModelConfig, TeacherConfig
+from crossdistill.config import (
+    DISTRIBUTION_LOSSES,
+    TEACHER_LENGTH_FACTOR,
+    Config,
+    ModelConfig,
+    TeacherConfig,
+)
 from crossdistill.errors import UserError
-
-# Positions a teacher's sequence may need beyond the student's: tokenizers cut the same text into
-# different numbers of tokens (byte-level BPEs differ by up to ~2x on code and CJK).
-TEACHER_LENGTH_FACTOR = 2
 
 
 @dataclass

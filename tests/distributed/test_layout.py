@@ -123,3 +123,17 @@ def test_cp_mask_is_the_packed_causal_mask_of_the_models():
         back[:, order] = mask
         assert torch.equal(back, full[q])
         assert bool(mask.any(1).all())  # no query row without a key (SDPA would give NaN)
+
+
+def test_context_parallel_refuses_a_window_shorter_than_the_rows():
+    """CP attends over whole documents: a sliding-window model whose window is shorter than
+    its rows is refused with the numbers; a long enough window, a window turned off (Qwen3) or
+    no cp pass."""
+    mistral = resolve_hf_config(arch="tiny-mistral", overrides={"sliding_window": 64})
+    with pytest.raises(UserError, match=r"sliding window of 64 tokens, shorter than its rows"):
+        ParallelLayout(cp=2).check_window(mistral, 128, "data.seq_len")
+    ParallelLayout(cp=2).check_window(mistral, 64, "data.seq_len")
+    ParallelLayout(cp=1).check_window(mistral, 128, "data.seq_len")
+    qwen = resolve_hf_config(arch="tiny-qwen3", overrides={"sliding_window": 64})
+    assert qwen.use_sliding_window is False
+    ParallelLayout(cp=2).check_window(qwen, 128, "data.seq_len")
