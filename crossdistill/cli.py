@@ -82,6 +82,9 @@ def run_reporting(fn: Any, args: Any) -> int:
         print(f"crossdistill: {rank}interrupted", file=sys.stderr)
         return 130
     except Exception as e:
+        if _out_of_memory(e):
+            print(f"crossdistill: error: {rank}{_OOM_HINT.format(_first_line(e))}", file=sys.stderr)
+            return 1
         if not (rank and _peer_gone(e)):
             raise
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
@@ -92,6 +95,25 @@ def run_reporting(fn: Any, args: Any) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+_OOM_HINT = (
+    "out of GPU memory ({}); lower data.micro_batch_size (raise train.grad_accum to keep the "
+    "batch) or data.seq_len, recompute blocks (student.activation_checkpointing=true), shard "
+    "the models wider (student.parallel, teachers.N.parallel), split long sequences "
+    "(parallel.cp), or keep a teacher on the CPU between steps (teachers.N.offload=true)"
+)
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None)
+    return oom is not None and isinstance(e, oom)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:300]
 
 
 def _peer_gone(e: BaseException) -> bool:

@@ -292,3 +292,23 @@ def test_resume_with_another_student_shape_names_the_setting(corpus, tmp_path, t
     ):
         ck.check_same_student(None, build_components(wider).student, "old", found.model_shapes())
     assert (tmp_path / "run" / "checkpoints" / "step_000002").is_dir()  # not taken for damaged
+
+
+def test_out_of_gpu_memory_is_one_line_naming_the_settings(capsys):
+    """PyTorch's out-of-memory error (raised here as a CUDA allocation would raise it) leaves the
+    command as one line with its numbers and the settings that lower memory, exit 1."""
+    from crossdistill.cli import run_reporting
+
+    message = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB "
+        "of which 1.23 GiB is free.\nOf the allocated memory 70.1 GiB is allocated by PyTorch"
+    )
+
+    def job(_):
+        raise torch.OutOfMemoryError(message)
+
+    assert run_reporting(job, None) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB." in err
+    assert "data.micro_batch_size" in err and "student.activation_checkpointing=true" in err
