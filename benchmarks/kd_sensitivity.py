@@ -50,6 +50,7 @@ def run_seed(
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
     from crossdistill.train import demo
+    from crossdistill.train.audit import first_bytes
     from crossdistill.train.demo_assets import train_demo_tokenizers
 
     train_texts, val_texts = demo._write_corpus(out, seed)
@@ -81,7 +82,7 @@ def run_seed(
     if student_bytes:  # the students see the first N bytes of the teachers' text
         lr_tag += f"_b{student_bytes}"
         text = out / "data" / f"train_{student_bytes}.jsonl"
-        kept = demo.first_bytes(train_texts, student_bytes)
+        kept = first_bytes(train_texts, student_bytes, within=True)
         text.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept), encoding="utf-8")
 
     def student_stage(name: str, entries: list | None = None):

@@ -213,9 +213,9 @@ class ParallelLayout:
         """Context parallelism's attention is causal over whole documents: a model with
         sliding-window layers (Mistral, Gemma-3's local layers) whose window is shorter than
         its rows would attend past the window."""
-        window = getattr(hf_config, "sliding_window", None)
-        if getattr(hf_config, "use_sliding_window", True) is False:
-            window = None
+        from crossdistill.models.attention import sliding_window
+
+        window = sliding_window(hf_config)
         if self.cp > 1 and window is not None and window < longest:
             raise UserError(
                 f"{self.label}.parallel.cp = {self.cp}: the model's attention has a sliding "

@@ -35,8 +35,13 @@ from torch import Tensor, nn
 
 from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.errors import UserError
-from crossdistill.losses.payload import pack_targets, payload_nbytes, unpack_targets
-from crossdistill.losses.targets import TeacherTargets, kd_positions
+from crossdistill.losses.payload import (
+    pack_targets,
+    payload_nbytes,
+    payload_sizes,
+    unpack_targets,
+)
+from crossdistill.losses.targets import TeacherTargets
 from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import HeldElsewhere, decoder_of
 
@@ -183,8 +188,8 @@ class StudentPipeline:
     def train(self, batches: list, loss_of: Callable[[int, Tensor], Tensor] | None) -> None:
         """Forward and backward of every micro-batch in `batches` (this data rank's window) through
         the pipeline; `loss_of(i, hidden)` returns micro-batch i's loss from its final hidden
-        states `[B·T, H]`, already divided by the global counts (the last stage's; None on the others). Gradients accumulate in the
-        stage's parameters."""
+        states `[B·T, H]`, already divided by the global counts (the last stage's; None on the
+        others). Gradients accumulate in the stage's parameters."""
         n = len(batches)
         if n < self.stages:
             raise UserError(
@@ -307,8 +312,7 @@ class StudentPipeline:
 def _receive(tb: Any, like: TeacherTargets, group: Any, stage: int) -> TeacherTargets:
     """Targets of teacher batch `tb` sent by pipeline stage `stage` (`like`: targets of the
     same teacher computed here, for their top-k width, dtypes and temperature)."""
-    m = kd_positions(tb.chunks)[1].shape[0]
-    n, k = tb.labels.numel(), like.topk_ids.shape[1]
+    (m, n), k = payload_sizes(tb), like.topk_ids.shape[1]
     buf = torch.empty(
         payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
     )

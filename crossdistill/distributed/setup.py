@@ -110,9 +110,8 @@ def teacher_parallel(
     """A teacher's parallel settings with the default data parallelism (`dp_shard: -1`,
     `dp_replicate: 1`) decided: a frozen model needs no gradient sync, so a teacher whose
     weights take at most `REPLICATE_TEACHER_SHARE` of a GPU gets a copy on every data rank (no
-    parameter gathers in its forwards: 96.9% of the one-GPU step per GPU against 75.9% sharded,
-    benchmarks/README.md "Two GPUs"); a larger one, or any on the CPU, is sharded. Degrees the
-    config sets are kept."""
+    parameter gathers in its forwards; measured against sharding in benchmarks/README.md, "Two
+    GPUs"); a larger one, or any on the CPU, is sharded. Degrees the config sets are kept."""
     others = pcfg.tp * pcfg.cp * pcfg.pp
     default = pcfg.dp_shard == -1 and pcfg.dp_replicate == 1
     if not default or device_bytes is None or ranks % others or ranks == others:

@@ -50,8 +50,14 @@ from crossdistill.distributed.layout import (
     wants_cuda,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import TeacherTargets, kd_positions
-from crossdistill.losses.payload import batch_id, pack_targets, payload_nbytes, unpack_targets
+from crossdistill.losses import TeacherTargets
+from crossdistill.losses.payload import (
+    batch_id,
+    pack_targets,
+    payload_nbytes,
+    payload_sizes,
+    unpack_targets,
+)
 
 _POLL_S = 2e-4
 _LINK_TIMEOUT = datetime.timedelta(hours=24)  # the streams enforce their own deadlines
@@ -234,7 +240,9 @@ class Link:
                     with_abort()
 
 
-IPC_MESSAGE_BYTES = 1024  # a pickled CUDA IPC handle (about 400 bytes) and its length
+# a pickled CUDA IPC handle (the tensor's shape, its memory, event and reference-counter
+# handles) and its length; `ipc_handle` refuses a larger one
+IPC_MESSAGE_BYTES = 1024
 
 
 def ipc_handle(buf: Tensor) -> Tensor:
@@ -360,8 +368,7 @@ class TargetStream:
 
     def receive(self, tb: Any) -> TeacherTargets:
         """Targets of teacher batch `tb` (this rank's next micro-batch)."""
-        m = kd_positions(tb.chunks)[1].shape[0]
-        n = tb.labels.numel()
+        m, n = payload_sizes(tb)
         expected = batch_id(self.seq, tb.input_ids, tb.labels)
         who = f"teacher {self.name!r} (rank {self.source} of the job), batch {self.seq}"
         self.seq += 1

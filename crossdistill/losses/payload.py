@@ -12,9 +12,9 @@ it takes the payload):
     valid     uint8 [N_t]
 
 Every section that is read back as a 4- or 8-byte type starts at a multiple of its size. The
-receiver knows M, K and N_t from its own copy of the batch, so nothing else travels. Quantised,
-a row's log-probs are renormalised with its tail on arrival, exactly as the teacher cache
-reads its records (`renormalise_top_k`, shared by both).
+receiver knows M, K and N_t from its own copy of the batch (`payload_sizes`), so nothing else
+travels. Quantised, a row's log-probs are renormalised with its tail on arrival, exactly as the
+teacher cache reads its records (`renormalise_top_k`, shared by both).
 
 Size at K = 64: 8·K + 4 = 516 bytes per KD position and 5 per teacher token unquantised, 324
 and 5 with int8 codes (the ids are sent whole); 32 bytes of id per micro-batch.
@@ -22,11 +22,13 @@ and 5 with int8 codes (the ids are sent whole); 32 bytes of id per micro-batch.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from crossdistill.config import Quantization
-from crossdistill.losses.targets import TeacherTargets
+from crossdistill.losses.targets import TeacherTargets, kd_positions
 
 QUANT_SCALE = 8.0  # int8 top-k log-probs: steps of 1/8 nat, down to -31.9
 
@@ -61,6 +63,12 @@ def batch_id(seq: int, input_ids: Tensor, labels: Tensor) -> Tensor:
     sums = torch.stack([(ids * weights).sum(), ((lab + 7) * weights).sum()]).cpu().tolist()
     check = sums[0] * 31 + sums[1]
     return torch.tensor([seq, check % (1 << 62), ids.numel(), lab.numel()], dtype=torch.int64)
+
+
+def payload_sizes(tb: Any) -> tuple[int, int]:
+    """(M KD positions, N_t tokens) of teacher batch `tb`'s targets: what a receiver counts on
+    its own copy of the batch to size and read a payload (with K and the quantisation)."""
+    return kd_positions(tb.chunks)[1].shape[0], tb.labels.numel()
 
 
 def payload_nbytes(m: int, k: int, n: int, quantization: Quantization) -> int:

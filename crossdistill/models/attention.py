@@ -217,9 +217,17 @@ def flash_covers(model: torch.nn.Module, device: torch.device, longest: int) -> 
     query = torch.empty(0, heads, 0, head_dim, dtype=dtype, device=device)
     if not flash_ok(query, None, compute_dtype(query)):
         return False
-    window = getattr(cfg, "sliding_window", None)
-    windowed = getattr(cfg, "use_sliding_window", True) is not False
-    return window is None or not windowed or window >= longest
+    window = sliding_window(cfg)
+    return window is None or window >= longest
+
+
+def sliding_window(config: Any) -> int | None:
+    """The window of a model's sliding-window layers (Mistral, Gemma-3's local layers), None
+    where it has none or turns it off (Qwen configs carry a window with `use_sliding_window:
+    false`)."""
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def compute_dtype(query: Tensor) -> torch.dtype:

@@ -73,14 +73,16 @@ def read_texts(paths: list[str], limit: int, field: str = "text") -> list[str]:
     return out
 
 
-def first_bytes(texts: list[str], num_bytes: int) -> list[str]:
-    """The first whole texts of `texts` until at least `num_bytes` UTF-8 bytes are taken."""
+def first_bytes(texts: list[str], num_bytes: int, within: bool = False) -> list[str]:
+    """The first whole texts of `texts` until at least `num_bytes` UTF-8 bytes are taken; with
+    `within`, only as many as fit in `num_bytes` (at least one)."""
     out, size = [], 0
     for text in texts:
-        if size >= num_bytes:
+        n = len(text.encode())
+        if (out and size + n > num_bytes) if within else size >= num_bytes:
             break
         out.append(text)
-        size += len(text.encode())
+        size += n
     return out
 
 

@@ -23,8 +23,8 @@ from typing import Any
 
 from crossdistill.config import Config, from_dict, to_dict
 
-# Sizes chosen so the whole demo runs in about 2 minutes on 2 CPU cores (101 s measured, the
-# held-out scoring included).
+# Sizes chosen so the whole demo runs in a few minutes on 2 CPU cores (the measured time:
+# benchmarks/README.md, "The demo (CPU)").
 DEMO = {
     "seq_len": 256,
     "micro_batch_size": 4,
@@ -115,26 +115,16 @@ def stage_config(
 STUDENT_TEXT = "student_train.jsonl"
 
 
-def first_bytes(texts: list[str], limit: int) -> list[str]:
-    """The whole texts from the start of `texts` that fit in `limit` UTF-8 bytes (at least one)."""
-    kept, size = [], 0
-    for text in texts:
-        size += len(text.encode())
-        if kept and size > limit:
-            break
-        kept.append(text)
-    return kept
-
-
 def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str]]:
     """OUT/data: the teacher's training text, the students' (its first `student_bytes`) and
     the held-out files."""
+    from crossdistill.train.audit import first_bytes
     from crossdistill.train.demo_assets import stdlib_corpus
 
     train, val = stdlib_corpus(seed=seed)
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    student = first_bytes(train, DEMO["student_bytes"])
+    student = first_bytes(train, DEMO["student_bytes"], within=True)
     for name, texts in (("train.jsonl", train), (STUDENT_TEXT, student), ("val.jsonl", val)):
         with open(data / name, "w", encoding="utf-8") as f:
             for text in texts:

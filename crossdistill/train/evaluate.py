@@ -21,7 +21,7 @@ from crossdistill.distributed.runtime import (
     target_bytes,
 )
 from crossdistill.losses import kd_count, next_token_nll, student_loss
-from crossdistill.train.step import StepSettings
+from crossdistill.train.step import StepSettings, move_offloaded
 
 LN2 = math.log(2.0)
 
@@ -43,9 +43,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
     def add(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
         sums[key] = sums.get(key, 0) + value.double()
 
-    for s in c.slots:
-        if s.teacher is not None and s.teacher.offload:
-            s.teacher.to(dev)
+    move_offloaded(c.slots, dev)
     # this rank's share of the first eval_batches batches of the split, the same count on every
     # rank (a rank that ran out early would hang the others in a collective)
     part_keys = ["ce", "num_ce"] + [f"{m}/{s.cfg.name}" for m in ("kd", "top1") for s in c.slots]
@@ -90,9 +88,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
         for slot in c.slots:
             add(parts, f"kd/{slot.cfg.name}", metrics[f"kd/{slot.cfg.name}"])
             add(parts, f"top1/{slot.cfg.name}", metrics[f"top1/{slot.cfg.name}"])
-    for s in c.slots:
-        if s.teacher is not None and s.teacher.offload:
-            s.teacher.to("cpu")
+    move_offloaded(c.slots, "cpu")
     c.student.train(was_training)
     parts = _reduced(parts, place.reduce_sums)
     if place.pipeline is not None:  # the loss sums are the last stage's

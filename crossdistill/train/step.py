@@ -96,9 +96,7 @@ def train_step(
     Gradients are accumulated in `student`; the caller clips and steps. `place`: how the pieces
     are laid out over the job's ranks (one process: the one-rank layout)."""
     dev = settings.device
-    for s in slots:
-        if s.teacher is not None and s.teacher.offload:
-            s.teacher.to(dev)
+    move_offloaded(slots, dev)
 
     def targets_of(i: int, k: int) -> TeacherTargets:
         mb, s = micro_batches[i], slots[k]
@@ -113,7 +111,7 @@ def train_step(
         live = [s.teacher is not None for s in slots]
         spread = pipe.spread_targets([mb.teachers for mb in micro_batches], live, targets_of)
         if spread is None:
-            _offload(slots)
+            move_offloaded(slots, "cpu")
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
                 pipe.train([mb.student for mb in micro_batches], None)
             return pipe.share({})
@@ -149,7 +147,7 @@ def train_step(
         for k in range(len(slots))
     ]
     weights = teacher_weights(slots, npb, settings.teacher_mode)
-    _offload(slots)
+    move_offloaded(slots, "cpu")
 
     total: dict[str, Tensor] = {}
 
@@ -199,8 +197,9 @@ def train_step(
     return total
 
 
-def _offload(slots: list[TeacherSlot]) -> None:
-    """Teachers that live on the CPU between steps go back there."""
+def move_offloaded(slots: list[TeacherSlot], device: Any) -> None:
+    """Teachers that live on the CPU between steps (`teachers.N.offload`) to `device`: the
+    step's device for their forwards, "cpu" after them."""
     for s in slots:
         if s.teacher is not None and s.teacher.offload:
-            s.teacher.to("cpu")
+            s.teacher.to(device)
