@@ -22,6 +22,9 @@
 #   long_one      one sequence of 32,768 tokens per micro-batch on one GPU (its error is the
 #                 record where it does not fit); the teacher allows 65,536 positions
 #   long_cp2      the same, student and teacher context parallel over both GPUs
+#   long3b_one    a Llama-3.2-3B-shaped student at 32,768 tokens, half its blocks recomputed,
+#                 on one GPU (too big for one: its error is the record)
+#   long3b_cp2    the same, context parallel over both GPUs (the student sharded over them)
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TOK=${TOK:?set TOK to the tokenizers folder}
@@ -71,5 +74,13 @@ if stage long_one; then  # expected to run out of memory: its error is the recor
     echo "long_one: exit $?, $(tail -c 300 "$OUT/step-2gpu-long_one-$stamp.err")"
 fi
 stage long_cp2 && two long_cp2 "${S[@]}" "${Q[@]}" "${L[@]}" \
+    --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
+S3=(--student llama-3.2-3b --student-tokenizer "$TOK/llama3/hf" --checkpoint-blocks 14)
+if stage long3b_one; then  # expected to run out of memory: its error is the record
+    python3 -m crossdistill bench step "${S3[@]}" "${Q[@]}" "${L[@]}" \
+        > "$OUT/step-2gpu-long3b_one-$stamp.json" 2> "$OUT/step-2gpu-long3b_one-$stamp.err"
+    echo "long3b_one: exit $?, $(tail -c 300 "$OUT/step-2gpu-long3b_one-$stamp.err")"
+fi
+stage long3b_cp2 && two long3b_cp2 "${S3[@]}" "${Q[@]}" "${L[@]}" \
     --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
 exit 0
