@@ -49,8 +49,9 @@ CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 Quantization = Literal["int8", "none"]
 # where a teacher runs under torchrun: on the student's ranks, or on ranks of its own
 TeacherPlacement = Literal["colocated", "separate"]
-# Pipeline schedules of the student's stages (`distributed/pipeline.py`)
-PipelineSchedule = Literal["1F1B", "GPipe"]
+# Pipeline schedules of the student's stages (`distributed/pipeline.py`): 1F1B and GPipe run one
+# stage per rank; Interleaved1F1B runs `pp_stages_per_rank` stages on each rank
+PipelineSchedule = Literal["1F1B", "GPipe", "Interleaved1F1B"]
 MISSING_REQUIRED = "???"
 
 
@@ -63,8 +64,17 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP2 sharding degree; -1: world / (dp_replicate * tp * cp)
     tp: int = 1  # tensor parallel
     cp: int = 1  # context (sequence) parallel
-    pp: int = 1  # pipeline stages (the student only; combines with dp_replicate / dp_shard)
-    pp_schedule: PipelineSchedule = "1F1B"  # needs train.grad_accum >= pp micro-batches
+    # pipeline ranks, each holding pp_stages_per_rank stages of the student's blocks (the
+    # student only; combines with dp_replicate / dp_shard)
+    pp: int = 1
+    # every schedule needs train.grad_accum >= pp micro-batches per data rank; Interleaved1F1B
+    # also needs them to split into grad_accum // pp equal rounds (a multiple of pp does)
+    pp_schedule: PipelineSchedule = "1F1B"
+    # stages per rank ("virtual stages"): 1 for 1F1B and GPipe, >= 2 for Interleaved1F1B, whose
+    # rank r holds stages r, r + pp, r + 2·pp, ... of pp x v (v = pp_stages_per_rank); the
+    # pipeline's idle share of a step of m micro-batches, (pp - 1) / (m + pp - 1) under 1F1B,
+    # becomes (pp - 1) / (v·m + pp - 1), for v times the sends between ranks
+    pp_stages_per_rank: int = 1
     # FSDP (the student): free each block's gathered parameters after its forward (least
     # memory), or keep them until its backward (one all-gather per block and micro-batch fewer)
     reshard_after_forward: bool = True

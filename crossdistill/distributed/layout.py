@@ -10,8 +10,9 @@ checks them against the world size and the model, and builds ONE named `DeviceMe
                            cp_tp    = cp x tp                   (who runs one forward together)
 
 `tp` is innermost so that a tensor-parallel group is a set of neighbouring ranks (one node);
-`pp` (the student's pipeline stages, `distributed/pipeline.py`) is outermost, so each stage is
-a plain layout of `world / pp` ranks and stages exchange only hidden states.
+`pp` (the student's pipeline, `distributed/pipeline.py`) is outermost, so each pipeline rank is
+a plain layout of `world / pp` ranks and the ranks exchange only hidden states. A pipeline rank
+holds `stages_per_rank` of its `pp x stages_per_rank` stages (interleaved schedules).
 The student and each teacher get their own layout over the same ranks; everything else asks the
 layout (or its mesh) for ranks, sizes and process groups.
 """
@@ -124,6 +125,7 @@ class ParallelLayout:
     tp: int = 1
     label: str = "student"
     pp: int = 1
+    stages_per_rank: int = 1  # pipeline stages on each pp rank (`pp_stages_per_rank`)
 
     @classmethod
     def from_config(
@@ -131,12 +133,13 @@ class ParallelLayout:
     ) -> ParallelLayout:
         """Resolve `dp_shard = -1` (the ranks the other degrees leave) and check the product."""
         where = f"{label}.parallel"
-        for name in ("dp_replicate", "tp", "cp", "pp"):
+        for name in ("dp_replicate", "tp", "cp", "pp", "pp_stages_per_rank"):
             if getattr(cfg, name) < 1:
                 raise UserError(f"{where}.{name} must be >= 1, got {getattr(cfg, name)}")
         if cfg.dp_shard < 1 and cfg.dp_shard != -1:
             raise UserError(f"{where}.dp_shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
-        pp = getattr(cfg, "pp", 1)
+        pp = cfg.pp
+        _check_stages_per_rank(cfg, where)
         if pp > 1 and (cfg.tp > 1 or cfg.cp > 1):
             raise UserError(
                 f"{where}.pp = {pp} with tp = {cfg.tp}, cp = {cfg.cp}: pipeline stages combine "
@@ -152,7 +155,7 @@ class ParallelLayout:
                     f"{world_size}; the product of the degrees must equal the number of processes"
                 )
             shard = world_size // others
-        layout = cls(cfg.dp_replicate, shard, cfg.cp, cfg.tp, label, pp)
+        layout = cls(cfg.dp_replicate, shard, cfg.cp, cfg.tp, label, pp, cfg.pp_stages_per_rank)
         if layout.world_size != world_size:
             raise UserError(
                 f"{where}: pp x dp_replicate x dp_shard x cp x tp = {pp} x {cfg.dp_replicate} x "
@@ -165,6 +168,11 @@ class ParallelLayout:
     @property
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all: `pp x stages_per_rank`."""
+        return self.pp * self.stages_per_rank
 
     @property
     def dp(self) -> int:
@@ -180,10 +188,13 @@ class ParallelLayout:
         split evenly over `tp` (each rank computes whole heads); each pipeline stage needs a
         block."""
         blocks = getattr(hf_config, "num_hidden_layers", None)
-        if blocks is not None and self.pp > blocks:
+        if blocks is not None and self.stages > blocks:
+            v = self.stages_per_rank
+            what = "pp" if v == 1 else "pp x pp_stages_per_rank"
+            value = f"{self.pp}" if v == 1 else f"{self.pp} x {v} = {self.stages}"
             raise UserError(
-                f"{self.label}.parallel.pp = {self.pp} is larger than the model's {blocks} "
-                f"blocks; each pipeline stage needs at least one block: choose pp <= {blocks}"
+                f"{self.label}.parallel.{what} = {value} is larger than the model's {blocks} "
+                f"blocks; each pipeline stage needs at least one block: choose {what} <= {blocks}"
             )
         heads = getattr(hf_config, "num_attention_heads", None)
         kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -244,9 +255,33 @@ class ParallelLayout:
 
     def describe(self) -> str:
         stages = f"pp={self.pp} " if self.pp > 1 else ""
+        if self.stages_per_rank > 1:
+            stages += f"pp_stages_per_rank={self.stages_per_rank} "
         return (
             f"{self.label}: {stages}dp_replicate={self.dp_replicate} dp_shard={self.dp_shard} "
             f"cp={self.cp} tp={self.tp}"
+        )
+
+
+def _check_stages_per_rank(cfg: ParallelConfig, where: str) -> None:
+    """Stages per rank and the schedule agree: the interleaved schedule runs several stages on
+    each rank, 1F1B and GPipe one; several need several pipeline ranks to interleave over."""
+    v, schedule = cfg.pp_stages_per_rank, cfg.pp_schedule
+    if schedule == "Interleaved1F1B" and v < 2:
+        raise UserError(
+            f"{where}.pp_schedule = Interleaved1F1B runs several stages on each pipeline rank, "
+            f"but pp_stages_per_rank = {v}; set pp_stages_per_rank >= 2 (2 is the usual), or "
+            "use pp_schedule 1F1B"
+        )
+    if schedule != "Interleaved1F1B" and v > 1:
+        raise UserError(
+            f"{where}.pp_stages_per_rank = {v} with pp_schedule = {schedule}, which runs one "
+            "stage per rank; set pp_schedule to Interleaved1F1B, or pp_stages_per_rank to 1"
+        )
+    if v > 1 and cfg.pp < 2:
+        raise UserError(
+            f"{where}.pp_stages_per_rank = {v} with pp = {cfg.pp}: stages are interleaved over "
+            "the ranks of a pipeline; set pp >= 2, or pp_stages_per_rank to 1"
         )
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from crossdistill.config import ModelConfig
 from crossdistill.distributed.layout import ParallelLayout
 from crossdistill.distributed.parallelize import parallelize_model
-from crossdistill.distributed.pipeline import keep_stage
+from crossdistill.distributed.pipeline import keep_stages
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
 from crossdistill.models.loading import (
@@ -53,7 +53,7 @@ def build_parallel_model(
     stage: int = 0,
 ) -> nn.Module:
     """The model of `mcfg` under `layout` on this rank (see module doc); under pipeline
-    parallelism (`layout.pp` > 1) the part of pipeline stage `stage` only."""
+    parallelism (`layout.pp` > 1) the stages of pipeline rank `stage` only."""
     dtype = parse_dtype(mcfg.dtype)
     options = {
         "trainable": trainable,
@@ -75,7 +75,7 @@ def build_parallel_model(
             seed=seed,
         )
         layout.check_model(model.config)
-        keep_stage(model, stage, layout.pp)
+        keep_stages(model, stage, layout.pp, layout.stages_per_rank)
         return parallelize_model(model, layout, mesh, **options)
     model = build_meta_model(
         mcfg.path,
@@ -85,7 +85,7 @@ def build_parallel_model(
         attn_implementation=mcfg.attn_implementation,
     )
     layout.check_model(model.config)
-    keep_stage(model, stage, layout.pp)
+    keep_stages(model, stage, layout.pp, layout.stages_per_rank)
     parallelize_model(model, layout, mesh, **options)
     materialize(model, device)
     load_local_shards(model, mcfg.path, fused_params(model, model.config, layout.tp))

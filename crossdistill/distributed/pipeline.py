@@ -1,32 +1,39 @@
-"""Pipeline-parallel student: its blocks split into `student.parallel.pp` stages, one per rank
-of the mesh's outermost `pp` axis, run by a `torch.distributed.pipelining` schedule (1F1B or
-GPipe) over the step's micro-batches.
+"""Pipeline-parallel student: its blocks split into `student.parallel.pp` x
+`pp_stages_per_rank` stages over the `pp` ranks of the mesh's outermost `pp` axis, run by a
+`torch.distributed.pipelining` schedule over the step's micro-batches: 1F1B or GPipe with one
+stage per rank, or Interleaved1F1B with several ("virtual stages": rank r holds stages r,
+r + pp, r + 2·pp, ..., so the hidden states go round the ranks once per stage a rank holds,
+and the pipeline idles less).
 
-- A stage keeps its own blocks under their original names (`model.layers.5...` stays
+- A rank keeps the blocks of its stages under their original names (`model.layers.5...` stays
   `model.layers.5`): the others are replaced by `HeldElsewhere`, which holds nothing. The first
-  stage keeps the embedding, the last the final norm and the lm_head, so a stage's state dict is
-  the slice of the whole model's, and checkpoints reshard to and from any other layout.
-- Tied embeddings: the last stage keeps the embedding as its lm_head weight (same name, same
-  initial value). After the backward the first and last stages add their gradients of it
+  rank (stage 0) keeps the embedding, the last (the last stage) the final norm and the
+  lm_head, so a rank's state dict is the slice of the whole model's, and checkpoints reshard
+  to and from any other layout. Each of the rank's stages runs the model's own forward with
+  only its blocks (`StageBlocks`): the embedding applies to token ids, which only stage 0
+  receives, and the final norm in the last stage only.
+- Tied embeddings: the last rank keeps the embedding as its lm_head weight (same name, same
+  initial value). After the backward the first and last ranks add their gradients of it
   (`sync_tied_grads`), so the two copies see the same gradient and the same update; the
   gradient norm counts it once (`norm_parameters`).
 - Micro-batch identity: the schedule splits a tensor of micro-batch indices along with the
   inputs, and every stage and the loss look their micro-batch's positions, segments, labels and
   teacher targets up by that index; targets of micro-batch i meet the logits of micro-batch i by
   construction, whatever order the schedule runs them in.
-- Teachers: when the step's micro-batches divide evenly among the stages, stage s computes
-  the targets of micro-batches s, s + pp, s + 2·pp, ... (a teacher laid out across stages runs
-  them together, as it runs several data ranks' batches) and sends them to the last stage in
-  the payload format of separate teachers (`losses/payload.py`): each stage does 1/pp of the
-  teacher work. Otherwise every stage computes them all and the last stage keeps its own.
-- The loss runs on the last stage, divided by the global batch's counts as in every layout, so
+- Teachers: when the step's micro-batches divide evenly among the ranks, rank r computes
+  the targets of micro-batches r, r + pp, r + 2·pp, ... (a teacher laid out across ranks runs
+  them together, as it runs several data ranks' batches) and sends them to the last rank in
+  the payload format of separate teachers (`losses/payload.py`): each rank does 1/pp of the
+  teacher work. Otherwise every rank computes them all and the last rank keeps its own.
+- The loss runs in the last stage, divided by the global batch's counts as in every layout, so
   the schedule must not scale gradients (`scale_grads=False`). Metrics are summed over the
-  pipeline group (the other stages add zeros), so every rank holds them.
+  pipeline group (the other ranks add zeros), so every rank holds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -47,11 +54,12 @@ from crossdistill.models.forward import HeldElsewhere, decoder_of
 
 
 def stage_blocks(num_blocks: int, stages: int, head_blocks: float = 0.0) -> list[range]:
-    """Contiguous blocks per stage (at least one each) with the largest stage cost as small as
-    it can be, a block costing 1 and the last stage `head_blocks` more for its lm_head and loss
-    (the work of the stage that runs longest sets the pipeline's pace); among equal splits the
-    earlier stages take more blocks. Needs `stages <= num_blocks` (refused at load:
-    `ParallelLayout.check_model`)."""
+    """Contiguous blocks per stage (at least one each), for all `stages` of the pipeline in
+    order (`pp x stages_per_rank`: with several stages per rank, rank r runs entries r, r + pp,
+    ...), with the largest stage cost as small as it can be, a block costing 1 and the last
+    stage `head_blocks` more for its lm_head and loss (the work of the stage that runs longest
+    sets the pipeline's pace); among equal splits the earlier stages take more blocks. Needs
+    `stages <= num_blocks` (refused at load: `ParallelLayout.check_model`)."""
     if stages > num_blocks:
         raise ValueError(f"{stages} pipeline stages cannot each hold one of {num_blocks} blocks")
     # best[s][n]: the smallest largest-stage cost of the last `s` stages holding the last `n`
@@ -75,6 +83,12 @@ def stage_blocks(num_blocks: int, stages: int, head_blocks: float = 0.0) -> list
     return bounds
 
 
+def rank_stages(rank: int, pp: int, per_rank: int) -> list[int]:
+    """The pipeline stages pipeline rank `rank` of `pp` holds, in order: `rank`, `rank + pp`,
+    ... (`per_rank` of them), as torch's interleaved schedules place them."""
+    return [rank + j * pp for j in range(per_rank)]
+
+
 def head_cost(model: nn.Module) -> float:
     """The lm_head's (and loss's) work in blocks' worth, by parameters: its matmul per token
     against one block's."""
@@ -84,23 +98,73 @@ def head_cost(model: nn.Module) -> float:
     return head.weight.numel() / block if head is not None and block else 0.0
 
 
-def keep_stage(model: nn.Module, stage: int, stages: int) -> None:
-    """Cut `model` (a causal LM) down to pipeline stage `stage` of `stages` in place (see module
-    doc); the kept tensors keep their names."""
-    if stages == 1:
+class StageBlocks(nn.ModuleList):
+    """The decoder's blocks on a pipeline rank, under their own names (`HeldElsewhere` where
+    another rank holds them), and which of the rank's stages each belongs to (`stages`: stage
+    -> its blocks). While one stage runs (`running`), the model's own forward sees that stage's
+    blocks only (the rank's others pass the hidden states through), and the final norm applies
+    in the last stage only (`final_norm`, a forward hook of the norm)."""
+
+    def __init__(self, blocks: list[nn.Module], stages: dict[int, range], num_stages: int):
+        super().__init__(blocks)
+        self.stages = stages
+        self.num_stages = num_stages
+        self._running: int | None = None
+
+    @contextmanager
+    def running(self, stage: int) -> Iterator[None]:
+        self._running = stage
+        try:
+            yield
+        finally:
+            self._running = None
+
+    def _live(self) -> list[nn.Module]:
+        blocks = list(self._modules.values())
+        if self._running is None:
+            return blocks
+        mine = self.stages[self._running]
+        return [b if i in mine else _PASS_THROUGH for i, b in enumerate(blocks)]
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._live())
+
+    def __getitem__(self, idx: int | slice) -> Any:
+        if isinstance(idx, slice):  # the models loop over `layers[:num_hidden_layers]`
+            return nn.ModuleList(self._live()[idx])
+        return super().__getitem__(idx)
+
+    def final_norm(self, norm: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        earlier = self._running is not None and self._running != self.num_stages - 1
+        return args[0] if earlier else out
+
+
+_PASS_THROUGH = HeldElsewhere()
+
+
+def keep_stages(model: nn.Module, rank: int, pp: int, per_rank: int = 1) -> None:
+    """Cut `model` (a causal LM) down to the stages of pipeline rank `rank` of `pp`, `per_rank`
+    stages each (`rank_stages`), in place (see module doc); the kept tensors keep their names."""
+    if pp == 1:
         return
     decoder = decoder_of(model)
-    mine = stage_blocks(len(decoder.layers), stages, head_cost(model))[stage]
-    for i in range(len(decoder.layers)):
-        if i not in mine:
-            decoder.layers[i] = HeldElsewhere()
-    first, last = stage == 0, stage == stages - 1
+    num_stages = pp * per_rank
+    split = stage_blocks(len(decoder.layers), num_stages, head_cost(model))
+    mine = {s: split[s] for s in rank_stages(rank, pp, per_rank)}
+    kept = [
+        block if any(i in r for r in mine.values()) else HeldElsewhere()
+        for i, block in enumerate(decoder.layers)
+    ]
+    decoder.layers = StageBlocks(kept, mine, num_stages)
+    first, last = rank == 0, rank == pp - 1
     tied = _tied(model)
-    if not last:
+    if last:
+        decoder.norm.register_forward_hook(decoder.layers.final_norm)
+    else:
         decoder.norm = HeldElsewhere()
-    if not last and not (first and tied):  # tied: the first stage's head is its embedding
+    if not last and not (first and tied):  # tied: the first rank's head is its embedding
         model.set_output_embeddings(None)
-    if not first and not (last and tied):  # tied: the last stage's embedding is its head
+    if not first and not (last and tied):  # tied: the last rank's embedding is its head
         decoder.embed_tokens = None
 
 
@@ -109,27 +173,50 @@ def _tied(model: nn.Module) -> bool:
     return head is not None and embed is not None and head.weight is embed.weight
 
 
-class StudentStage(nn.Module):
-    """What the schedule calls: one stage's forward on one micro-batch, `(x, mb) -> hidden`
-    (`x`: token ids on the first stage, the previous stage's hidden states elsewhere; `mb`: the
-    micro-batch's index, which picks its positions and segments)."""
+def check_micro_batches(n: int, pp: int, schedule: str) -> None:
+    """Refuse `n` micro-batches per step on each data rank where the schedule cannot run them:
+    every schedule needs one per pipeline rank at least; Interleaved1F1B runs them in `n // pp`
+    rounds of equal size (torch's `ScheduleInterleaved1F1B`)."""
+    if n < pp:
+        raise UserError(
+            f"student.parallel.pp = {pp} stages need at least {pp} micro-batches per step on "
+            f"each data rank, but train.grad_accum = {n}; raise train.grad_accum to >= {pp} "
+            "(a multiple of pp keeps every stage busy)"
+        )
+    rounds = n // pp
+    if schedule == "Interleaved1F1B" and n % rounds:
+        raise UserError(
+            f"student.parallel.pp_schedule = Interleaved1F1B runs the micro-batches of a step in "
+            f"train.grad_accum // pp = {n} // {pp} = {rounds} rounds of equal size, which "
+            f"train.grad_accum = {n} does not split into; choose train.grad_accum a multiple of "
+            f"pp, e.g. {rounds * pp} or {(rounds + 1) * pp}"
+        )
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+
+class StudentStage(nn.Module):
+    """What the schedule calls for pipeline stage `stage`: its forward on one micro-batch,
+    `(x, mb) -> hidden` (`x`: token ids in stage 0, the previous stage's hidden states
+    elsewhere; `mb`: the micro-batch's index, which picks its positions and segments from
+    `inputs`, the list the rank's stages share)."""
+
+    def __init__(self, model: nn.Module, stage: int, inputs: list, dtype: torch.dtype):
         super().__init__()
         self.model = model
+        self.stage = stage
+        self.inputs = inputs
         self.dtype = dtype
-        self.inputs: list[tuple[Tensor, Any]] = []
 
     def forward(self, x: Tensor, mb: Tensor) -> Tensor:
         pos, segments = self.inputs[int(mb.reshape(-1)[0])]
-        hidden = model_hidden(self.model, x, pos, segments)
+        with decoder_of(self.model).layers.running(self.stage):
+            hidden = model_hidden(self.model, x, pos, segments)
         return hidden.to(self.dtype)
 
 
 class StudentPipeline:
-    """The student's pipeline stage on this rank and the schedule that runs it (module doc).
+    """The student's pipeline stages on this rank and the schedule that runs them (module doc).
     `mesh`: the student's `NamedMesh`; `dtype`: the hidden states passed between stages
-    (the student's compute dtype)."""
+    (the student's compute dtype); the stages are those `keep_stages` left in `model`."""
 
     def __init__(
         self,
@@ -144,18 +231,21 @@ class StudentPipeline:
     ):
         pp = mesh["pp"]
         self.group = pp.get_group()
-        self.stage, self.stages = pp.get_local_rank(), pp.size()
-        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.rank, self.pp = pp.get_local_rank(), pp.size()
+        self.first, self.last = self.rank == 0, self.rank == self.pp - 1
         self.model, self.device, self.schedule_name = model, device, schedule
-        self.module = StudentStage(model, dtype)
+        blocks = decoder_of(model).layers
+        self.num_stages = blocks.num_stages
+        self.inputs: list[tuple[Tensor, Any]] = []  # per micro-batch: positions, segments
+        self.modules = [StudentStage(model, s, self.inputs, dtype) for s in sorted(blocks.stages)]
         self.rows, self.length = rows, length
         self.hidden_size = model.config.hidden_size
         self.dtype = dtype
         self._schedules: dict[int, Any] = {}
-        self._loss_of: Callable[[int, Tensor], Tensor] | None = None  # the last stage's
+        self._loss_of: Callable[[int, Tensor], Tensor] | None = None  # the last rank's
         self._keys: list[str] | None = None
         ranks = dist.get_process_group_ranks(self.group)
-        self._ends = None  # first and last stage of this rank's pipeline: the tied copies
+        self._ends = None  # first and last rank of this pipeline: the tied copies
         if tied:
             self._ends = _pair_group(mesh, ranks[0], ranks[-1])
 
@@ -163,24 +253,40 @@ class StudentPipeline:
 
     def _schedule(self, n: int) -> Any:
         if n not in self._schedules:
-            from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-            shape = (self.rows, self.length)
-            ids = torch.zeros(shape, dtype=torch.long, device=self.device)
-            hidden = torch.zeros(*shape, self.hidden_size, dtype=self.dtype, device=self.device)
-            hidden.requires_grad_()  # the examples say which tensors carry gradients back
-            stage = PipelineStage(
-                self.module,
-                self.stage,
-                self.stages,
-                self.device,
-                input_args=(ids,) if self.first else (hidden,),
-                output_args=hidden,
-                group=self.group,
+            from torch.distributed.pipelining import (
+                Schedule1F1B,
+                ScheduleGPipe,
+                ScheduleInterleaved1F1B,
             )
-            kind = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[self.schedule_name]
-            self._schedules[n] = kind(stage, n, loss_fn=self._loss, scale_grads=False)
+
+            stages = [self._stage(m) for m in self.modules]
+            kinds = {
+                "1F1B": Schedule1F1B,
+                "GPipe": ScheduleGPipe,
+                "Interleaved1F1B": ScheduleInterleaved1F1B,
+            }
+            kind = kinds[self.schedule_name]
+            held = stages if kind is ScheduleInterleaved1F1B else stages[0]  # one stage or several
+            self._schedules[n] = kind(held, n, loss_fn=self._loss, scale_grads=False)
         return self._schedules[n]
+
+    def _stage(self, module: StudentStage) -> Any:
+        """`module` as a `PipelineStage`, with examples of its inputs and output."""
+        from torch.distributed.pipelining import PipelineStage
+
+        shape = (self.rows, self.length)
+        ids = torch.zeros(shape, dtype=torch.long, device=self.device)
+        hidden = torch.zeros(*shape, self.hidden_size, dtype=self.dtype, device=self.device)
+        hidden.requires_grad_()  # the examples say which tensors carry gradients back
+        return PipelineStage(
+            module,
+            module.stage,
+            self.num_stages,
+            self.device,
+            input_args=(ids,) if module.stage == 0 else (hidden,),
+            output_args=hidden,
+            group=self.group,
+        )
 
     def _loss(self, hidden: Tensor, mb: Tensor) -> Tensor:
         return self._loss_of(int(mb.reshape(-1)[0]), hidden.flatten(0, 1))
@@ -188,14 +294,10 @@ class StudentPipeline:
     def train(self, batches: list, loss_of: Callable[[int, Tensor], Tensor] | None) -> None:
         """Forward and backward of every micro-batch in `batches` (this data rank's window) through
         the pipeline; `loss_of(i, hidden)` returns micro-batch i's loss from its final hidden
-        states `[B·T, H]`, already divided by the global counts (the last stage's; None on the
-        others). Gradients accumulate in the stage's parameters."""
+        states `[B·T, H]`, already divided by the global counts (the last rank's; None on the
+        others). Gradients accumulate in the stages' parameters."""
         n = len(batches)
-        if n < self.stages:
-            raise UserError(
-                f"student.parallel.pp = {self.stages} stages need at least {self.stages} "
-                f"micro-batches per step on each data rank, got {n}; raise train.grad_accum"
-            )
+        check_micro_batches(n, self.pp, self.schedule_name)
         self._set_inputs(batches)
         self._loss_of = loss_of
         index = torch.arange(n).view(n, 1)
@@ -211,7 +313,7 @@ class StudentPipeline:
                     f"pipeline parallelism passes fixed-shape micro-batches between stages "
                     f"({self.rows} x {self.length}); got one of {tuple(b.input_ids.shape)}"
                 )
-        self.module.inputs = [
+        self.inputs[:] = [
             (b.position_ids.to(self.device, non_blocking=True), segments_of(b, self.device))
             for b in batches
         ]
@@ -221,59 +323,62 @@ class StudentPipeline:
     def spread_targets(
         self, batches: list, live: list[bool], compute: Callable[[int, int], TeacherTargets]
     ) -> list[list[TeacherTargets]] | None:
-        """Every teacher's targets of every micro-batch on the last stage (None elsewhere).
+        """Every teacher's targets of every micro-batch on the last rank (None elsewhere).
         `batches[i]`: micro-batch i's teacher batches (one per teacher); `live[k]`: teacher k
-        runs here (else its targets come with the batch, and only the last stage reads them);
+        runs here (else its targets come with the batch, and only the last rank reads them);
         `compute(i, k)`: teacher k's targets of micro-batch i on this rank (collective where the
-        teacher is laid out across ranks: every stage calls it equally often)."""
+        teacher is laid out across ranks: every pipeline rank calls it equally often)."""
         n, teachers = len(batches), len(live)
-        split = n % self.stages == 0  # the stages share the teacher work
-        mine = [i for i in range(n) if not split or i % self.stages == self.stage]
+        split = n % self.pp == 0  # the ranks share the teacher work
+        mine = [i for i in range(n) if not split or i % self.pp == self.rank]
         out: list[list[Any]] = [[None] * teachers for _ in range(n)]
         for k in range(teachers):
             for i in mine if live[k] else (range(n) if self.last else ()):
                 out[i][k] = compute(i, k)
         if not split:
             return out if self.last else None
-        last = self.stages - 1
+        last = self.pp - 1
         for k in (k for k in range(teachers) if live[k]):
-            if not self.last:  # this stage's share, in micro-batch order
+            if not self.last:  # this rank's share, in micro-batch order
                 for i in mine:
                     dist.send(pack_targets(out[i][k], "none"), group=self.group, group_dst=last)
                 continue
-            like = out[mine[0]][k]  # the last stage's own share gives K and the temperature
+            like = out[mine[0]][k]  # the last rank's own share gives K and the temperature
             for i in range(n):
                 if out[i][k] is None:
-                    out[i][k] = _receive(batches[i][k], like, self.group, i % self.stages)
+                    out[i][k] = _receive(batches[i][k], like, self.group, i % self.pp)
         return out if self.last else None
 
     # ------------------------------------------------------------------ forward only
 
     @torch.no_grad()
     def forward(self, batch: Any) -> Tensor | None:
-        """The final hidden states `[B·T, H]` of one micro-batch on the last stage (None on the
-        others): each stage runs it and hands it on (validation; no schedule needed)."""
-        self.module.inputs = [(batch.position_ids.to(self.device), segments_of(batch, self.device))]
+        """The final hidden states `[B·T, H]` of one micro-batch on the last rank (None on the
+        others): each stage runs it and hands it to the next, so with several stages per rank
+        it goes round the ranks as many times (validation; no schedule needed)."""
+        self.inputs[:] = [(batch.position_ids.to(self.device), segments_of(batch, self.device))]
         mb = torch.zeros(1, dtype=torch.long)
-        if self.first:
-            x = batch.input_ids.to(self.device)
-        else:  # every stage of a data rank reads the same batch: the shape is known here
-            shape = (*batch.input_ids.shape, self.hidden_size)
-            x = torch.empty(shape, dtype=self.dtype, device=self.device)
-            dist.recv(x, group=self.group, group_src=self.stage - 1)
-        out = self.module(x, mb)
-        if self.last:
-            return out.flatten(0, 1)
-        dist.send(out.contiguous(), group=self.group, group_dst=self.stage + 1)
-        return None
+        out = None
+        for module in self.modules:  # this rank's stages, in order
+            stage = module.stage
+            if stage == 0:
+                x = batch.input_ids.to(self.device)
+            else:  # every rank of a pipeline reads the same batch: the shape is known here
+                shape = (*batch.input_ids.shape, self.hidden_size)
+                x = torch.empty(shape, dtype=self.dtype, device=self.device)
+                dist.recv(x, group=self.group, group_src=(stage - 1) % self.pp)
+            out = module(x, mb)
+            if stage < self.num_stages - 1:
+                dist.send(out.contiguous(), group=self.group, group_dst=(stage + 1) % self.pp)
+        return out.flatten(0, 1) if self.last else None
 
     # ------------------------------------------------------------------ sums and gradients
 
     def share(self, metrics: dict[str, Tensor]) -> dict[str, Tensor]:
-        """The last stage's metrics on every stage of the pipeline (one all-reduce)."""
+        """The last rank's metrics on every rank of the pipeline (one all-reduce)."""
         if self._keys is None:
             keys = [list(metrics) if self.last else None]
-            dist.broadcast_object_list(keys, group=self.group, group_src=self.stages - 1)
+            dist.broadcast_object_list(keys, group=self.group, group_src=self.pp - 1)
             self._keys = keys[0]
         flat = torch.zeros(len(self._keys), dtype=torch.float64, device=self.device)
         if self.last:
@@ -291,7 +396,7 @@ class StudentPipeline:
         return self.model.get_input_embeddings().weight if self._ends is not None else None
 
     def sync_tied_grads(self) -> None:
-        """First and last stage: the tied embedding's gradient becomes the sum of both."""
+        """First and last rank: the tied embedding's gradient becomes the sum of both."""
         w = self.tied_weight()
         if w is None or w.grad is None:
             return
@@ -300,8 +405,8 @@ class StudentPipeline:
         dist.all_reduce(local, group=self._ends)
 
     def norm_parameters(self) -> list[nn.Parameter]:
-        """The parameters whose gradients enter the global norm: the tied copy of the last stage
-        is left out (it equals the first stage's)."""
+        """The parameters whose gradients enter the global norm: the tied copy of the last rank
+        is left out (it equals the first rank's)."""
         params = list(self.model.parameters())
         if self._ends is not None and self.last:
             w = self.tied_weight()
@@ -309,21 +414,21 @@ class StudentPipeline:
         return params
 
 
-def _receive(tb: Any, like: TeacherTargets, group: Any, stage: int) -> TeacherTargets:
-    """Targets of teacher batch `tb` sent by pipeline stage `stage` (`like`: targets of the
+def _receive(tb: Any, like: TeacherTargets, group: Any, rank: int) -> TeacherTargets:
+    """Targets of teacher batch `tb` sent by pipeline rank `rank` (`like`: targets of the
     same teacher computed here, for their top-k width, dtypes and temperature)."""
     (m, n), k = payload_sizes(tb), like.topk_ids.shape[1]
     buf = torch.empty(
         payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
     )
-    dist.recv(buf, group=group, group_src=stage)
+    dist.recv(buf, group=group, group_src=rank)
     got = unpack_targets(buf, m, k, n, "none", like.temperature)
     got.topk_ids = got.topk_ids.to(like.topk_ids.dtype)
     return got
 
 
 def _pair_group(mesh: Any, first: int, last: int) -> Any:
-    """A process group of the first and last stage rank of every pipeline: `new_group` is
+    """A process group of the first and last rank of every pipeline: `new_group` is
     collective, so every rank creates every pair and keeps its own."""
     root = mesh.root.mesh  # [pp, dp_replicate, dp_shard, cp, tp] global ranks
     flat = root.reshape(root.shape[0], -1)

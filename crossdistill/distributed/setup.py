@@ -14,7 +14,7 @@ from crossdistill.config import TEACHER_LENGTH_FACTOR, Config, ModelConfig, Para
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.loading import build_parallel_model
 from crossdistill.distributed.parallelize import fsdp_mesh
-from crossdistill.distributed.pipeline import StudentPipeline
+from crossdistill.distributed.pipeline import StudentPipeline, check_micro_batches
 from crossdistill.distributed.runtime import Placed, Placement, TeacherPadding, mesh_for
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
@@ -122,12 +122,7 @@ def teacher_parallel(
 
 
 def _check_pipeline(cfg: Config, pp: int, separate: list[bool]) -> None:
-    if cfg.train.grad_accum < pp:
-        raise UserError(
-            f"student.parallel.pp = {pp} stages need at least {pp} micro-batches per step on "
-            f"each data rank, but train.grad_accum = {cfg.train.grad_accum}; raise "
-            f"train.grad_accum to >= {pp} (a multiple of pp keeps every stage busy)"
-        )
+    check_micro_batches(cfg.train.grad_accum, pp, parallel_config(cfg.student).pp_schedule)
     if any(separate):
         raise UserError(
             f"student.parallel.pp = {pp} with a separate teacher is not supported; place the "
@@ -217,7 +212,7 @@ def parallel_models(
 def student_pipeline(
     cfg: Config, student: nn.Module, placement: Placement, param_dtype: torch.dtype | None
 ) -> StudentPipeline:
-    """The schedule of the student's pipeline stage on this rank. Hidden states pass between
+    """The schedule of the student's pipeline stages on this rank. Hidden states pass between
     stages in the dtype the blocks compute in: FSDP's gather dtype where FSDP shards the
     student, else its weights' dtype."""
     placed = placement.student

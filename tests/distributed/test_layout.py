@@ -36,6 +36,59 @@ def test_degrees_that_do_not_fit_the_world_are_refused(cfg, world, rule):
         ParallelLayout.from_config(cfg, world, "teachers.0")
 
 
+@pytest.mark.parametrize(
+    ("cfg", "rule"),
+    [
+        (
+            ParallelConfig(pp=2, pp_schedule="Interleaved1F1B"),
+            "pp_schedule = Interleaved1F1B runs several stages on each pipeline rank, but "
+            "pp_stages_per_rank = 1",
+        ),
+        (
+            ParallelConfig(pp=2, pp_schedule="GPipe", pp_stages_per_rank=2),
+            "pp_stages_per_rank = 2 with pp_schedule = GPipe, which runs one stage per rank",
+        ),
+        (
+            ParallelConfig(pp=1, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2),
+            "pp_stages_per_rank = 2 with pp = 1",
+        ),
+        (ParallelConfig(pp=2, pp_stages_per_rank=0), "pp_stages_per_rank must be >= 1"),
+    ],
+)
+def test_stages_per_rank_must_fit_the_schedule(cfg, rule):
+    with pytest.raises(UserError, match=rule):
+        ParallelLayout.from_config(cfg, 2)
+
+
+def test_every_pipeline_stage_needs_a_block():
+    """Each of pp x pp_stages_per_rank stages holds a block at least."""
+    interleaved = ParallelConfig(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
+    lay = ParallelLayout.from_config(interleaved, 4)
+    assert (lay.pp, lay.stages_per_rank, lay.stages, lay.dp_shard) == (2, 2, 4, 2)
+    assert "pp=2 pp_stages_per_rank=2 " in lay.describe()
+    lay.check_model(resolve_hf_config(arch="tiny-llama", overrides={"num_hidden_layers": 4}))
+    message = r"pp x pp_stages_per_rank = 2 x 2 = 4 is larger than the model's 2 blocks"
+    with pytest.raises(UserError, match=message):
+        lay.check_model(resolve_hf_config(arch="tiny-llama"))  # 2 blocks
+
+
+def test_schedules_need_enough_micro_batches():
+    """Every schedule needs a micro-batch per pipeline rank; the interleaved one runs them in
+    grad_accum // pp rounds of equal size, so past 2·pp it needs a count those rounds divide."""
+    from crossdistill.distributed.pipeline import check_micro_batches
+
+    for schedule in ("1F1B", "GPipe", "Interleaved1F1B"):
+        with pytest.raises(UserError, match="need at least 4 micro-batches"):
+            check_micro_batches(3, 4, schedule)
+    for n in (4, 5, 7, 8, 10, 12):
+        check_micro_batches(n, 4, "Interleaved1F1B")
+    for n in (9, 11, 13):
+        check_micro_batches(n, 4, "1F1B")
+        nearest = f"choose train.grad_accum a multiple of pp, e.g. {n // 4 * 4} or"
+        with pytest.raises(UserError, match=nearest):
+            check_micro_batches(n, 4, "Interleaved1F1B")
+
+
 def test_heads_must_split_over_tp():
     hf = resolve_hf_config(arch="tiny-llama")  # 4 heads, 2 key/value heads
     ParallelLayout(tp=2).check_model(hf)

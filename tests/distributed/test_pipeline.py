@@ -1,14 +1,17 @@
 """Pipeline-parallel students on CPU (gloo) against one process: the student's blocks split
 into two stages (1F1B and GPipe schedules), with data parallelism (pp2 x dp2 on four ranks), and
 with teachers laid out differently from the student (the stages share the teachers' work), and
-with 3 micro-batches a step (each stage computes every target); 20 optimizer steps in float32
-must give the single-process loss and gradient norm to 1e-5 relative. The student has
+with 3 micro-batches a step (each stage computes every target); the interleaved schedule, two
+stages on each of two ranks (a student of 4 blocks), alone and with dp2; 20 optimizer steps in
+float32 must give the single-process loss and gradient norm to 1e-5 relative. The student has
 tied embeddings, so the first and last stage each hold the embedding and add their gradients
 (and once untied: the embedding on the first stage, the lm_head on the last).
 
 `train()` runs: a pp2 run that validates, checkpoints and exports a loadable Hugging Face
 folder; a pp2 checkpoint resumed in one process, and a one-process checkpoint resumed as pp2,
-each equal to the uninterrupted run; and the layouts that cannot work refused before loading.
+each equal to the uninterrupted run; an interleaved pp2 checkpoint resumed in one process,
+equal to the uninterrupted interleaved run; and the layouts that cannot work refused before
+loading.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,6 +47,12 @@ FOUR = [
     h.Layouts("pp2xdp2", P(pp=2, dp_shard=2), [P(), P()]),
     h.Layouts("pp2xdp2_teacher_tp2", P(pp=2, dp_replicate=2, dp_shard=1), [P(tp=2), P()]),
 ]
+# two stages on each rank of two, interleaved: the deeper student's 4 blocks, one per stage
+INTERLEAVED = P(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
+DEEP = [
+    h.Layouts("pp2_interleaved", INTERLEAVED, [P(), P()]),
+    h.Layouts("pp2xdp2_interleaved", replace(INTERLEAVED, dp_shard=2), [P(), P()]),
+]
 
 
 def _train_cfg(cfg, out: Path, parallel: P):
@@ -67,18 +77,26 @@ def setup(tmp_path_factory, tokenizer_dir):
         reference = h.run_steps(cfg, sc, STEPS, WINDOW)
         reference_odd = h.run_steps(cfg, sc, STEPS, ODD_WINDOW)
         reference_untied = h.run_steps(_untied(cfg), sc, STEPS, WINDOW)
+        reference_deep = h.run_steps(_deep(cfg), sc, STEPS, WINDOW)
         train(_train_cfg(cfg, root / "one_full", P()))
         train(_train_cfg(cfg, root / "one_part", P()), stop_after=2)
     finally:
         torch.set_num_threads(threads)
     _drop_after(root / "one_part", 2)
-    return root, cfg, reference, reference_odd, reference_untied
+    return root, cfg, reference, reference_odd, reference_untied, reference_deep
 
 
 def _untied(cfg):
     """The student with an lm_head of its own (the last stage holds it, the first the embedding)."""
     c = copy.deepcopy(cfg)
     c.student.overrides["tie_word_embeddings"] = False
+    return c
+
+
+def _deep(cfg):
+    """The student with 4 blocks: one for each of the interleaved pipeline's 2 x 2 stages."""
+    c = copy.deepcopy(cfg)
+    c.student.overrides["num_hidden_layers"] = 4
     return c
 
 
@@ -97,10 +115,13 @@ def two_rank_worker(rank: int, cfg, root: str, out: str) -> None:
     for c in ODD:
         results[c.name] = h.run_steps(h.with_layouts(cfg, c), sc, STEPS, ODD_WINDOW)
     results["pp2_untied"] = h.run_steps(h.with_layouts(_untied(cfg), TWO[0]), sc, STEPS, WINDOW)
+    results[DEEP[0].name] = h.run_steps(h.with_layouts(_deep(cfg), DEEP[0]), sc, STEPS, WINDOW)
     pp2 = P(pp=2)
     train(_train_cfg(cfg, Path(root) / "pp_full", pp2))
     train(_train_cfg(cfg, Path(root) / "pp_part", pp2), stop_after=2)
     train(_train_cfg(cfg, Path(root) / "from_one", pp2), resume=True)
+    train(_train_cfg(_deep(cfg), Path(root) / "interleaved_full", INTERLEAVED))
+    train(_train_cfg(_deep(cfg), Path(root) / "interleaved_part", INTERLEAVED), stop_after=2)
     if rank == 0:
         torch.save(results, out)
 
@@ -108,6 +129,8 @@ def two_rank_worker(rank: int, cfg, root: str, out: str) -> None:
 def four_rank_worker(rank: int, cfg, root: str, out: str) -> None:
     sc = torch.load(Path(root) / "scenario.pt", weights_only=False)
     results = {c.name: h.run_steps(h.with_layouts(cfg, c), sc, STEPS, WINDOW) for c in FOUR}
+    deep = DEEP[1]
+    results[deep.name] = h.run_steps(h.with_layouts(_deep(cfg), deep), sc, STEPS, WINDOW)
     if rank == 0:
         torch.save(results, out)
 
@@ -150,6 +173,11 @@ def test_untied_student_pipeline_matches_one_process(setup, two):
 @pytest.mark.parametrize("case", [c.name for c in FOUR])
 def test_pipeline_with_data_parallel_matches_one_process(setup, four, case):
     _assert_invariant(setup[2], four[case], case)
+
+
+@pytest.mark.parametrize("case", [c.name for c in DEEP])
+def test_interleaved_pipelines_match_one_process(setup, two, four, case):
+    _assert_invariant(setup[5], {**two, **four}[case], case)
 
 
 def test_reference_moves(setup):
@@ -211,6 +239,19 @@ def test_pipeline_checkpoint_resumes_in_one_process(setup, two):
     _close(resumed, one, "loss")
 
 
+def test_interleaved_pipeline_checkpoint_resumes_in_one_process(setup, two):
+    from crossdistill.train.loop import train
+
+    root, cfg = setup[:2]
+    run = root / "interleaved_part"
+    _drop_after(run, 2)
+    train(_train_cfg(_deep(cfg), run, P()), resume=True)
+    resumed, full = _run(run), _run(root / "interleaved_full")
+    assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
+    _close(resumed, full, "loss")
+    _close(resumed, full, "val/bpb/student")
+
+
 def test_stages_balance_blocks_against_the_lm_head():
     from crossdistill.distributed.pipeline import stage_blocks
 
@@ -225,6 +266,42 @@ def test_stages_balance_blocks_against_the_lm_head():
     assert sizes(16, 2, 4.3) == [10, 6]
     assert sizes(16, 4, 4.3) == [5, 5, 5, 1]
     assert sizes(2, 2, 50.0) == [1, 1]  # every stage keeps a block
+    # pp2 with 2 stages per rank: 4 stages, rank 0 runs the first and third, rank 1 the
+    # second and the last (with the lm_head)
+    assert sizes(16, 4, 4.3) == [5, 5, 5, 1]
+    assert sizes(9, 6, 0.0) == [2, 2, 2, 1, 1, 1]
+
+
+def test_a_rank_holds_its_stages_and_runs_one_at_a_time():
+    """pp2 with 2 stages per rank, one process: each rank's cut keeps the blocks of stages r and
+    r + 2 under their names; running the four stages in order, each on its rank's cut, gives
+    the whole model's final hidden states (the embedding in stage 0 only, the final norm in
+    stage 3 only)."""
+    from crossdistill.distributed.pipeline import StudentStage, keep_stages, rank_stages
+    from crossdistill.models.forward import HeldElsewhere, decoder_of, final_hidden
+    from crossdistill.models.loading import build_causal_lm
+
+    def model():
+        return build_causal_lm(None, "tiny-llama", overrides={"num_hidden_layers": 4}, seed=0)
+
+    whole, cuts = model(), [model(), model()]
+    for rank, cut in enumerate(cuts):
+        keep_stages(cut, rank, 2, 2)
+    assert [rank_stages(r, 2, 2) for r in range(2)] == [[0, 2], [1, 3]]
+    kept = [[not isinstance(b, HeldElsewhere) for b in decoder_of(c).layers] for c in cuts]
+    assert kept == [[True, False, True, False], [False, True, False, True]]
+    names = set(whole.state_dict())
+    assert all(set(c.state_dict()) <= names for c in cuts)
+    assert "model.norm.weight" not in cuts[0].state_dict()
+    assert "model.norm.weight" in cuts[1].state_dict()
+
+    ids = torch.randint(0, 512, (2, 16))
+    pos = torch.arange(16).repeat(2, 1)
+    x = ids
+    for stage in range(4):
+        x = StudentStage(cuts[stage % 2], stage, [(pos, None)], torch.float32)(x, torch.zeros(1))
+    with torch.no_grad():
+        assert torch.allclose(x, final_hidden(whole, ids, pos), atol=1e-5)
 
 
 def test_bad_pipeline_layouts_are_refused_before_loading(setup):
@@ -236,13 +313,15 @@ def test_bad_pipeline_layouts_are_refused_before_loading(setup):
     hf_t = [r.hf_config for r in res_t]
     blocks = res_s.hf_config.num_hidden_layers
 
-    def refused(world: int, parallel: P, grad_accum: int = 4, teacher: P | None = None) -> str:
+    def refused(
+        world: int, parallel: P, grad_accum: int = 4, teacher: P | None = None, hf_s=None
+    ) -> str:
         c = copy.deepcopy(cfg)
         c.student.parallel, c.train.grad_accum = parallel, grad_accum
         if teacher is not None:
             c.teachers[0].parallel = teacher
         with pytest.raises(UserError) as e:
-            plan_layouts(c, world, res_s.hf_config, hf_t)
+            plan_layouts(c, world, hf_s or res_s.hf_config, hf_t)
         return str(e.value)
 
     big = blocks + 1
@@ -253,6 +332,19 @@ def test_bad_pipeline_layouts_are_refused_before_loading(setup):
     assert "does not divide the world size 3" in refused(3, P(pp=2))
     assert "combine with data parallelism" in refused(4, P(pp=2, tp=2))
     assert "teachers.0.parallel.pp = 2" in refused(2, P(pp=2), teacher=P(pp=2, dp_shard=1))
+    # interleaved: 2 x 2 stages, more than the student's blocks; a deeper student takes them
+    assert blocks < 4
+    stages = f"pp x pp_stages_per_rank = 2 x 2 = 4 is larger than the model's {blocks} blocks"
+    assert stages in refused(2, INTERLEAVED)
+    deep = copy.deepcopy(res_s.hf_config)
+    deep.num_hidden_layers = 4
+    rounds = "in train.grad_accum // pp = 5 // 2 = 2 rounds of equal size"
+    assert rounds in refused(2, INTERLEAVED, 5, hf_s=deep)
+    assert "need at least 2 micro-batches" in refused(2, INTERLEAVED, 1, hf_s=deep)
+    one = replace(INTERLEAVED, pp_stages_per_rank=1)
+    assert "pp_stages_per_rank = 1; set pp_stages_per_rank >= 2" in refused(2, one)
+    several = P(pp=2, pp_stages_per_rank=2)
+    assert "with pp_schedule = 1F1B, which runs one stage per rank" in refused(2, several)
     # on GPUs the default teacher layout is decided by its size (tests/unit/test_teacher_layout)
     on_gpus = plan_layouts(cfg, 2, res_s.hf_config, hf_t, device_bytes=80 * 2**30)
     assert [t.dp_replicate for t in on_gpus.teachers] == [2, 2]  # tiny teachers: replicated

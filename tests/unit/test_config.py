@@ -63,6 +63,23 @@ def test_wrong_type_names_key_and_expected_type(tmp_path):
         load_config(None, ["teachers.0.loss=fwd_kl"])
 
 
+def test_interleaved_pipeline_settings_load(tmp_path):
+    """The settings only: their agreement with each other and the model is checked at start
+    (`ParallelLayout.from_config`, tests/distributed/test_layout.py)."""
+    cfg = load_config(
+        _write(tmp_path, "student: {arch: tiny-llama}\n"),
+        [
+            "student.parallel.pp=2",
+            "student.parallel.pp_schedule=Interleaved1F1B",
+            "student.parallel.pp_stages_per_rank=2",
+        ],
+    )
+    p = cfg.student.parallel
+    assert (p.pp, p.pp_schedule, p.pp_stages_per_rank) == (2, "Interleaved1F1B", 2)
+    with pytest.raises(UserError, match=r"'interleaved' is not one of .*'Interleaved1F1B'"):
+        load_config(None, ["student.parallel.pp_schedule=interleaved"])
+
+
 def test_missing_required_field():
     from dataclasses import dataclass
 
