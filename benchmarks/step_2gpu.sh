@@ -17,6 +17,7 @@
 #   separate      the teacher on GPU 1, the student on GPU 0, targets streamed (teachers.0.placement)
 #   pp2_alone     the student in two pipeline stages, no teacher, 8 micro-batches (the bubble)
 #   pp2           the same with the teacher (each stage computes half of its targets)
+#   pp2_interleaved  pp2 with the interleaved schedule, two stages on each GPU
 #   tp2 cp2       student and teacher tensor / context parallel over both GPUs
 #   s_fsdp_t_tp2  student FSDP, teacher tensor parallel
 #   long_one      one sequence of 32,768 tokens per micro-batch on one GPU (its error is the
@@ -61,6 +62,8 @@ stage separate && two separate "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
 P=(--micro-batch 1 --grad-accum 8 --set student.parallel.pp=2 --one-gpu-reference)
 stage pp2_alone && two pp2_alone "${S[@]}" "${C[@]}" "${P[@]}"
 stage pp2 && two pp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}"
+I=(--set student.parallel.pp_schedule=Interleaved1F1B --set student.parallel.pp_stages_per_rank=2)
+stage pp2_interleaved && two pp2_interleaved "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}" "${I[@]}"
 stage tp2 && two tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
     --set student.parallel.tp=2 --set teachers.0.parallel.tp=2
 stage cp2 && two cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \

@@ -263,7 +263,7 @@ def measure(
             result["per_gpu_vs_one_gpu"] = per_gpu / reference["tokens_per_s"]
         bench.teacher_ratio = result["teacher_tokens_per_student_token"]
         student = bench.c.student
-        if getattr(bench.c.placement, "pipeline", None) is not None:  # a rank holds one stage
+        if getattr(bench.c.placement, "pipeline", None) is not None:  # a rank holds some stages
             student = _meta_model(bench.cfg.student)
         shapes = Shapes(
             _shape(student),

@@ -113,6 +113,7 @@ class StageBlocks(nn.ModuleList):
 
     @contextmanager
     def running(self, stage: int) -> Iterator[None]:
+        """The model's forward inside runs stage `stage` (one of this rank's)."""
         self._running = stage
         try:
             yield
@@ -135,6 +136,7 @@ class StageBlocks(nn.ModuleList):
         return super().__getitem__(idx)
 
     def final_norm(self, norm: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        """Forward hook of the final norm: a stage before the last hands on the norm's input."""
         earlier = self._running is not None and self._running != self.num_stages - 1
         return args[0] if earlier else out
 
@@ -179,9 +181,9 @@ def check_micro_batches(n: int, pp: int, schedule: str) -> None:
     rounds of equal size (torch's `ScheduleInterleaved1F1B`)."""
     if n < pp:
         raise UserError(
-            f"student.parallel.pp = {pp} stages need at least {pp} micro-batches per step on "
-            f"each data rank, but train.grad_accum = {n}; raise train.grad_accum to >= {pp} "
-            "(a multiple of pp keeps every stage busy)"
+            f"student.parallel.pp = {pp} pipeline ranks need at least {pp} micro-batches per "
+            f"step on each data rank, but train.grad_accum = {n}; raise train.grad_accum to "
+            f">= {pp} (a multiple of pp keeps every rank busy)"
         )
     rounds = n // pp
     if schedule == "Interleaved1F1B" and n % rounds:
