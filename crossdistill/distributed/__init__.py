@@ -10,6 +10,8 @@ process is the one-rank layout: the same code, with no mesh.
 - `runtime.py`: the training step's placement across ranks (teacher inputs gathered across
   layouts, vocab-parallel lm_head, sequence shards, reductions); `grads.py`: gradient clipping
   over mixed shardings; `setup.py`: the layouts of a run, its placement and its models.
+- `pipeline.py`: the student's blocks in pipeline stages over the mesh's `pp` axis, one or
+  several (interleaved) per rank, run by a `torch.distributed.pipelining` schedule.
 - `streams.py`: separate teachers: the job split into roles (each its own process group), the
   job-wide link between them, and the targets streamed from a teacher's ranks to the student's.
 

@@ -228,28 +228,22 @@ def test_one_process_checkpoint_resumes_as_pipeline(setup, two):
     _close(resumed, one, "loss")
 
 
-def test_pipeline_checkpoint_resumes_in_one_process(setup, two):
+@pytest.mark.parametrize(
+    ("part", "full"), [("pp_part", "one_full"), ("interleaved_part", "interleaved_full")]
+)
+def test_pipeline_checkpoint_resumes_in_one_process(setup, two, part, full):
+    """A pp2 checkpoint against the one-process run; an interleaved one (the deeper student)
+    against the interleaved run, itself equal to one process (the cases above)."""
     from crossdistill.train.loop import train
 
     root, cfg = setup[:2]
-    _drop_after(root / "pp_part", 2)
-    train(_train_cfg(cfg, root / "pp_part", P()), resume=True)
-    resumed, one = _run(root / "pp_part"), _run(root / "one_full")
+    _drop_after(root / part, 2)
+    student = _deep(cfg) if part.startswith("interleaved") else cfg
+    train(_train_cfg(student, root / part, P()), resume=True)
+    resumed, uninterrupted = _run(root / part), _run(root / full)
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
-    _close(resumed, one, "loss")
-
-
-def test_interleaved_pipeline_checkpoint_resumes_in_one_process(setup, two):
-    from crossdistill.train.loop import train
-
-    root, cfg = setup[:2]
-    run = root / "interleaved_part"
-    _drop_after(run, 2)
-    train(_train_cfg(_deep(cfg), run, P()), resume=True)
-    resumed, full = _run(run), _run(root / "interleaved_full")
-    assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
-    _close(resumed, full, "loss")
-    _close(resumed, full, "val/bpb/student")
+    _close(resumed, uninterrupted, "loss")
+    _close(resumed, uninterrupted, "val/bpb/student")
 
 
 def test_stages_balance_blocks_against_the_lm_head():
