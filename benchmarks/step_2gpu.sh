@@ -21,11 +21,13 @@
 #   tp2 cp2       student and teacher tensor / context parallel over both GPUs
 #   s_fsdp_t_tp2  student FSDP, teacher tensor parallel
 #   long_one      one sequence of 32,768 tokens per micro-batch on one GPU (its error is the
-#                 record where it does not fit); the teacher allows 65,536 positions
+#                 record where it does not fit); the teacher allows 65,536 positions; the
+#                 Llama-3.2-1B-shaped student
 #   long_cp2      the same, student and teacher context parallel over both GPUs
-#   long3b_one    a Llama-3.2-3B-shaped student at 32,768 tokens, half its blocks recomputed,
-#                 on one GPU (too big for one: its error is the record)
+#   long3b_one    a Llama-3.2-3B-shaped student at 32,768 tokens on one GPU, nothing recomputed
+#                 (more memory than an 80 GiB GPU holds: there its error is the record)
 #   long3b_cp2    the same, context parallel over both GPUs (the student sharded over them)
+#   long3b_ckpt14_one, long3b_ckpt14_cp2   the same two with half the student's blocks recomputed
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 TOK=${TOK:?set TOK to the tokenizers folder}
@@ -71,19 +73,19 @@ stage cp2 && two cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
 stage s_fsdp_t_tp2 && two s_fsdp_t_tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
     --set teachers.0.parallel.tp=2
 L=(--seq-len 32768 --set teachers.0.overrides.max_position_embeddings=65536 --compile --steps 4 --warmup 2 --json --micro-batch 1)
-if stage long_one; then  # expected to run out of memory: its error is the record
-    python3 -m crossdistill bench step "${S[@]}" "${Q[@]}" "${L[@]}" \
-        > "$OUT/step-2gpu-long_one-$stamp.json" 2> "$OUT/step-2gpu-long_one-$stamp.err"
-    echo "long_one: exit $?, $(tail -c 300 "$OUT/step-2gpu-long_one-$stamp.err")"
-fi
-stage long_cp2 && two long_cp2 "${S[@]}" "${Q[@]}" "${L[@]}" \
-    --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
-S3=(--student llama-3.2-3b --student-tokenizer "$TOK/llama3/hf" --checkpoint-blocks 14)
-if stage long3b_one; then  # expected to run out of memory: its error is the record
-    python3 -m crossdistill bench step "${S3[@]}" "${Q[@]}" "${L[@]}" \
-        > "$OUT/step-2gpu-long3b_one-$stamp.json" 2> "$OUT/step-2gpu-long3b_one-$stamp.err"
-    echo "long3b_one: exit $?, $(tail -c 300 "$OUT/step-2gpu-long3b_one-$stamp.err")"
-fi
-stage long3b_cp2 && two long3b_cp2 "${S3[@]}" "${Q[@]}" "${L[@]}" \
-    --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
+long_pair() {  # name prefix, student preset, then extra arguments: one GPU (its error is the
+    # record where it does not fit), then context parallel over both GPUs
+    local name=$1 student=$2; shift 2
+    local args=(--student "$student" --student-tokenizer "$TOK/llama3/hf" "${Q[@]}" "${L[@]}" "$@")
+    if stage "${name}_one"; then
+        python3 -m crossdistill bench step "${args[@]}" \
+            > "$OUT/step-2gpu-${name}_one-$stamp.json" 2> "$OUT/step-2gpu-${name}_one-$stamp.err"
+        echo "${name}_one: exit $?, $(tail -c 300 "$OUT/step-2gpu-${name}_one-$stamp.err")"
+    fi
+    stage "${name}_cp2" && two "${name}_cp2" "${args[@]}" \
+        --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
+}
+long_pair long llama-3.2-1b
+long_pair long3b llama-3.2-3b
+long_pair long3b_ckpt14 llama-3.2-3b --checkpoint-blocks 14
 exit 0
