@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from crossdistill.config import Config, from_dict, to_dict
+from crossdistill.errors import UserError
 
 # Sizes chosen so the whole demo runs in a few minutes on 2 CPU cores (the measured time:
 # benchmarks/README.md, "The demo (CPU)").
@@ -138,7 +139,7 @@ def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
     run_dir = Path(cfg.run.out_dir)
     summary = run_dir / "final_metrics.json"
     saved = run_dir / "config.json"
-    same = saved.is_file() and json.loads(saved.read_text()) == to_dict(cfg)
+    same = saved.is_file() and _saved_config(saved) == to_dict(cfg)
     if reuse and same and summary.is_file() and (run_dir / "final" / "config.json").is_file():
         return json.loads(summary.read_text())
     if run_dir.exists():
@@ -146,6 +147,15 @@ def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
     final = train(cfg)
     summary.write_text(json.dumps(final, indent=2))
     return final
+
+
+def _saved_config(path: Path) -> dict[str, Any] | None:
+    """A run's saved config with the defaults of settings added since filled in (None: it no
+    longer loads)."""
+    try:
+        return to_dict(from_dict(Config, json.loads(path.read_text())))
+    except (UserError, ValueError):
+        return None
 
 
 def heldout_bpb(run_dir: Path, val: Path, max_batches: int | None = None) -> float:

@@ -53,3 +53,25 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
         assert 0 < summary[key] < 20
     assert "held-out bits per byte" in capsys.readouterr().out
     assert (tmp_path / "demo" / "summary.json").is_file()
+
+
+def test_a_saved_run_config_from_before_a_new_setting_still_matches(tmp_path):
+    """A run written before a setting was added (its saved config lacks the key) is the same
+    run as one with that setting at its default: reused, not retrained; a changed value or a
+    key that no longer exists is a different run."""
+    import json
+
+    from crossdistill.config import Config
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    raw = to_dict(cfg)
+    del raw["student"]["parallel"]["pp_schedule"]
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(raw))
+    assert demo._saved_config(saved) == to_dict(cfg)
+    raw["train"]["steps"] += 1
+    saved.write_text(json.dumps(raw))
+    assert demo._saved_config(saved) != to_dict(cfg)
+    raw["train"]["no_such_setting"] = 1
+    saved.write_text(json.dumps(raw))
+    assert demo._saved_config(saved) is None
