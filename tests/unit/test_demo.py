@@ -61,8 +61,6 @@ def test_a_saved_run_config_from_before_a_new_setting_still_matches(tmp_path):
     key that no longer exists is a different run."""
     import json
 
-    from crossdistill.config import Config
-
     cfg = load_config(REPO / "configs" / "demo.yaml")
     raw = to_dict(cfg)
     del raw["student"]["parallel"]["pp_schedule"]
