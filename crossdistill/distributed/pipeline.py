@@ -25,6 +25,11 @@ and the pipeline idles less).
   them together, as it runs several data ranks' batches) and sends them to the last rank in
   the payload format of separate teachers (`losses/payload.py`): each rank does 1/pp of the
   teacher work. Otherwise every rank computes them all and the last rank keeps its own.
+  Targets that do not come from a teacher on these ranks (a teacher cache's, or a separate
+  teacher's, `teachers.N.placement: separate`, which streams them to the last stage's ranks
+  alone: `distributed/streams.py`) are read by the last rank only; the others neither wait for
+  nor receive them, in training and in validation (pipelines with separate teachers are no
+  longer refused at load).
 - The loss runs in the last stage, divided by the global batch's counts as in every layout, so
   the schedule must not scale gradients (`scale_grads=False`). Metrics are summed over the
   pipeline group (the other ranks add zeros), so every rank holds them.
@@ -327,7 +332,8 @@ class StudentPipeline:
     ) -> list[list[TeacherTargets]] | None:
         """Every teacher's targets of every micro-batch on the last rank (None elsewhere).
         `batches[i]`: micro-batch i's teacher batches (one per teacher); `live[k]`: teacher k
-        runs here (else its targets come with the batch, and only the last rank reads them);
+        runs here (else its targets come with the batch or from a separate teacher's stream,
+        and only the last rank reads them);
         `compute(i, k)`: teacher k's targets of micro-batch i on this rank (collective where the
         teacher is laid out across ranks: every pipeline rank calls it equally often)."""
         n, teachers = len(batches), len(live)
