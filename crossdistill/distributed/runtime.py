@@ -19,6 +19,7 @@ teacher's FLOPs is saved (cross teachers pad every row to the longest, rounded u
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -134,6 +135,22 @@ class Placement:
         dist.all_gather_object(ranks, self.teacher_reads, group=group)
         first = {r: ranks.index(r) for r in ranks}
         return group, [first[r] for r in ranks]
+
+    def window_targets(
+        self,
+        slots: list[TeacherSlot],
+        batches: list[list[Any]],
+        compute: Callable[[int, int], TeacherTargets],
+    ) -> list[list[TeacherTargets]] | None:
+        """Every teacher's targets of every micro-batch, `[micro-batch][teacher]`, where the loss
+        runs. `batches[i]`: micro-batch i's teacher batches; `compute(i, k)`: teacher k's targets
+        of micro-batch i (`teacher_targets`). Pipeline stages share the work of the teachers that
+        run on them, and only the last stage reads the targets of those that do not (cached, or
+        streamed from a separate teacher's ranks): None on the stages before it."""
+        if self.pipeline is None:
+            return [[compute(i, k) for k in range(len(slots))] for i in range(len(batches))]
+        live = [s.teacher is not None for s in slots]
+        return self.pipeline.spread_targets(batches, live, compute)
 
     @torch.no_grad()
     def teacher_targets(
@@ -276,6 +293,15 @@ class Placement:
         return clip_grad_norm_(
             student.parameters(), max_norm, counted=pipe.norm_parameters(), across=pipe.group
         )
+
+    def target_wait(self, slots: list[TeacherSlot]) -> float | None:
+        """Seconds this data rank has waited for separate teachers' targets (None without
+        any): a pipeline's last stage waits for them, the stages before it add zeros."""
+        waited = target_wait(slots)
+        if waited is None or self.pipeline is None:
+            return waited
+        total = torch.tensor([waited], dtype=torch.float64, device=self.device)
+        return float(self.pipeline.sum_over_stages(total)[0])
 
     # ------------------------------------------------------------------ reductions
 

@@ -67,7 +67,9 @@ def plan_layouts(
     student.check_sequence(cfg.data.seq_len, "data.seq_len")
     student.check_window(hf_s, cfg.data.seq_len, "data.seq_len")
     if student.pp > 1:
-        _check_pipeline(cfg, student.pp, separate)
+        check_micro_batches(
+            cfg.train.grad_accum, student.pp, parallel_config(cfg.student).pp_schedule
+        )
     teachers = []
     for i, (tcfg, hf) in enumerate(zip(cfg.teachers, hf_t)):
         ranks = tcfg.ranks if separate[i] else student_ranks
@@ -119,15 +121,6 @@ def teacher_parallel(
     if weight_bytes(hf, dtype) > REPLICATE_TEACHER_SHARE * device_bytes:
         return pcfg
     return replace(pcfg, dp_replicate=ranks // others, dp_shard=1)
-
-
-def _check_pipeline(cfg: Config, pp: int, separate: list[bool]) -> None:
-    check_micro_batches(cfg.train.grad_accum, pp, parallel_config(cfg.student).pp_schedule)
-    if any(separate):
-        raise UserError(
-            f"student.parallel.pp = {pp} with a separate teacher is not supported; place the "
-            "teachers colocated (teachers.N.placement: colocated) or set pp = 1"
-        )
 
 
 def build_placement(

@@ -14,8 +14,10 @@ through host memory over gloo.
 Who talks to whom. A teacher's data-parallel group j (its ranks that run one forward together)
 serves the student's data ranks d with d mod dp_t = j: it reads the same global batches as they
 do (its own loaders, the same config, the same order), computes each micro-batch's targets and
-its group's first rank sends them to every student rank of data rank d (tensor- and context-
-parallel ranks of one data rank each take a copy). A teacher runs ahead of the student by at
+its group's first rank sends them to every student rank of data rank d that computes the loss
+(tensor- and context-parallel ranks of one data rank each take a copy; a pipeline-parallel
+student's last stage alone: the earlier stages neither wait for targets nor receive any,
+`distributed/pipeline.py`). A teacher runs ahead of the student by at
 most `train.teacher_prefetch` steps: before it computes step n it waits until the student has
 received step n − prefetch.
 
@@ -339,9 +341,12 @@ _HINT = (
 
 
 def student_ranks_of(data_rank: int, student: ParallelLayout) -> list[int]:
-    """Global ranks of the student's data rank `data_rank` (the student's role comes first)."""
+    """Global ranks that take data rank `data_rank`'s targets (the student's role comes first):
+    its tensor- and context-parallel ranks in the last pipeline stage, where the loss runs
+    (`pp` is the mesh's outermost axis, so that stage's ranks are the role's last `world / pp`)."""
     width = student.cp * student.tp
-    return list(range(data_rank * width, (data_rank + 1) * width))
+    first = (student.pp - 1) * (student.world_size // student.pp) + data_rank * width
+    return list(range(first, first + width))
 
 
 def teacher_source(data_rank: int, teacher: ParallelLayout, start: int) -> int:

@@ -18,7 +18,6 @@ import torch
 
 from crossdistill.config import Config, save_config
 from crossdistill.distributed.layout import DistEnv, job_size
-from crossdistill.distributed.runtime import target_wait
 from crossdistill.distributed.streams import announce_start, init_roles, separate_ranks
 from crossdistill.errors import UserError
 from crossdistill.train.build import Components, build_components
@@ -117,7 +116,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                 )
         batches = iter(c.train_loader)
         t_last, tokens = time.perf_counter(), 0
-        waited_last = target_wait(c.slots) or 0.0
+        waited_last = c.placement.target_wait(c.slots) or 0.0
         for step in range(start_step, cfg.train.steps):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
@@ -145,7 +144,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                     )
             if finite and (done % cfg.train.log_every == 0 or done == cfg.train.steps):
                 now = time.perf_counter()
-                waited = target_wait(c.slots)
+                waited = c.placement.target_wait(c.slots)
                 metrics.update(
                     grad_norm=grad_norm,
                     lr=c.scheduler.get_last_lr()[0],

@@ -9,8 +9,9 @@ Order of work, and why:
    ranks by the placement) so each term is `sum / global count`: gradient accumulation
    and data parallelism do not change the loss or its gradient;
 3. the student runs micro-batch by micro-batch: forward to hidden states, the chunked lm_head +
-   loss pass, backward (pipeline stages: the schedule's order, the loss on the last stage,
-   the teachers' targets computed by all stages and gathered there).
+   loss pass, backward (pipeline stages: the schedule's order, the loss and its counts on the
+   last stage, the teachers' targets computed by all stages and gathered there, or received
+   there from a separate teacher).
 """
 
 from __future__ import annotations
@@ -105,17 +106,12 @@ def train_step(
         )
 
     pipe = place.pipeline
-    if pipe is None:
-        targets = [[targets_of(i, k) for k in range(len(slots))] for i in range(len(micro_batches))]
-    else:  # the stages share the teachers' work; the loss and its counts are the last stage's
-        live = [s.teacher is not None for s in slots]
-        spread = pipe.spread_targets([mb.teachers for mb in micro_batches], live, targets_of)
-        if spread is None:
-            move_offloaded(slots, "cpu")
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
-                pipe.train([mb.student for mb in micro_batches], None)
-            return pipe.share({})
-        targets = spread
+    targets = place.window_targets(slots, [mb.teachers for mb in micro_batches], targets_of)
+    if targets is None:  # a pipeline stage before the last: the loss and its counts are not here
+        move_offloaded(slots, "cpu")
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+            pipe.train([mb.student for mb in micro_batches], None)
+        return pipe.share({})
     terms = [
         [make_term(s, mb.teachers[k], targets[i][k], dev) for k, s in enumerate(slots)]
         for i, mb in enumerate(micro_batches)
