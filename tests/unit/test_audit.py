@@ -98,3 +98,21 @@ def test_bad_input_is_one_line(tokenizer_dir, tmp_path, capsys):
     with pytest.raises(UserError, match="no \\*.safetensors"):
         audit_pair(tok, tok, TEXTS[:1], str(tmp_path / "noweights"))
     assert np.isfinite(audit_pair(tok, tok, TEXTS[:1])["one_to_one_share"])
+
+
+def test_a_pair_between_the_measured_ones_keeps_the_first_piece_and_says_to_compare():
+    from crossdistill.train.audit import recommend
+
+    def report(right):
+        return {
+            "first_piece": {"right": right},
+            "projection": {"teacher_tokens_unplaced_share": 0.0},
+            "fallback_share": 0.0,
+            "one_to_one_share": 0.8,
+        }
+
+    middle, warnings = recommend(report(0.88))
+    assert middle["target"] == "first_piece" and "--target context" in middle["why"]
+    assert not warnings
+    assert recommend(report(0.80))[0]["target"] == "context"
+    assert recommend(report(0.95))[0]["target"] == "first_piece"
