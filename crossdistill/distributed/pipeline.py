@@ -400,6 +400,18 @@ class StudentPipeline:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def whole_param_groups(self, optim_state: dict[str, Any]) -> dict[str, Any]:
+        """`optim_state` (this rank's, from `get_state_dict`) with each param group naming the
+        parameters of every stage: a checkpoint keeps one rank's copy of the groups, and a rank
+        whose parameters its groups do not name would load no learning rate or betas back (a
+        pipeline's checkpoint could not resume as a pipeline)."""
+        groups = optim_state["param_groups"]
+        every: list[Any] = [None] * self.pp
+        dist.all_gather_object(every, [g["params"] for g in groups], group=self.group)
+        for j, group in enumerate(groups):
+            group["params"] = list(dict.fromkeys(name for rank in every for name in rank[j]))
+        return optim_state
+
     def tied_weight(self) -> Tensor | None:
         return self.model.get_input_embeddings().weight if self._ends is not None else None
 

@@ -228,6 +228,8 @@ def _save(c: Components, step: int, saver: Checkpointer) -> None:
 
     model, optimizer = get_state_dict(c.student, c.optimizer)
     p = c.placement
+    if p.pipeline is not None:
+        optimizer = p.pipeline.whole_param_groups(optimizer)
     meta = {
         "scheduler": c.scheduler.state_dict(),
         "world_size": c.env.world_size,

@@ -8,10 +8,10 @@ tied embeddings, so the first and last stage each hold the embedding and add the
 (and once untied: the embedding on the first stage, the lm_head on the last).
 
 `train()` runs: a pp2 run that validates, checkpoints and exports a loadable Hugging Face
-folder; a pp2 checkpoint resumed in one process, and a one-process checkpoint resumed as pp2,
-each equal to the uninterrupted run; an interleaved pp2 checkpoint resumed in one process,
-equal to the uninterrupted interleaved run; and the layouts that cannot work refused before
-loading.
+folder; a pp2 checkpoint resumed in one process and as pp2, and a one-process checkpoint
+resumed as pp2, each equal to the uninterrupted run; an interleaved pp2 checkpoint resumed in
+one process, equal to the uninterrupted interleaved run; and the layouts that cannot work
+refused before loading.
 """
 
 from __future__ import annotations
@@ -120,6 +120,8 @@ def two_rank_worker(rank: int, cfg, root: str, out: str) -> None:
     train(_train_cfg(cfg, Path(root) / "pp_full", pp2))
     train(_train_cfg(cfg, Path(root) / "pp_part", pp2), stop_after=2)
     train(_train_cfg(cfg, Path(root) / "from_one", pp2), resume=True)
+    train(_train_cfg(cfg, Path(root) / "pp_again", pp2), stop_after=2)
+    train(_train_cfg(cfg, Path(root) / "pp_again", pp2), resume=True)
     train(_train_cfg(_deep(cfg), Path(root) / "interleaved_full", INTERLEAVED))
     train(_train_cfg(_deep(cfg), Path(root) / "interleaved_part", INTERLEAVED), stop_after=2)
     if rank == 0:
@@ -226,6 +228,16 @@ def test_one_process_checkpoint_resumes_as_pipeline(setup, two):
     resumed, one = _run(root / "from_one"), _run(root / "one_full")
     assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
     _close(resumed, one, "loss")
+
+
+def test_pipeline_checkpoint_resumes_as_pipeline(setup, two):
+    """Each stage's optimizer groups come back (a checkpoint's groups name every stage's
+    parameters): the resumed pp2 run gives the uninterrupted one."""
+    root = setup[0]
+    resumed, uninterrupted = _run(root / "pp_again"), _run(root / "pp_full")
+    assert sorted(s for s in resumed if "loss" in resumed[s]) == [1, 2, 3, 4]
+    _close(resumed, uninterrupted, "loss")
+    _close(resumed, uninterrupted, "val/bpb/student")
 
 
 @pytest.mark.parametrize(
