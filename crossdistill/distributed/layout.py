@@ -140,10 +140,11 @@ class ParallelLayout:
             raise UserError(f"{where}.dp_shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
         pp = cfg.pp
         _check_stages_per_rank(cfg, where)
-        if pp > 1 and (cfg.tp > 1 or cfg.cp > 1):
+        if pp > 1 and cfg.cp > 1:
             raise UserError(
-                f"{where}.pp = {pp} with tp = {cfg.tp}, cp = {cfg.cp}: pipeline stages combine "
-                "with data parallelism (dp_replicate, dp_shard) only; set tp and cp to 1"
+                f"{where}.pp = {pp} with cp = {cfg.cp}: pipeline stages combine with data and "
+                "tensor parallelism (dp_replicate, dp_shard, tp), not with context parallelism; "
+                "set cp to 1"
             )
         others = pp * cfg.dp_replicate * cfg.cp * cfg.tp
         shard = cfg.dp_shard

@@ -413,16 +413,31 @@ class StudentPipeline:
         return optim_state
 
     def tied_weight(self) -> Tensor | None:
-        return self.model.get_input_embeddings().weight if self._ends is not None else None
+        """The tied embedding's copy on this rank (None where it holds none): the first rank's
+        input embedding, the last rank's lm_head (one tensor on a rank unless a layout gives
+        the head a parameter of its own)."""
+        if self._ends is None:
+            return None
+        if self.last:
+            return self.model.get_output_embeddings().weight
+        return self.model.get_input_embeddings().weight
 
     def sync_tied_grads(self) -> None:
-        """First and last rank: the tied embedding's gradient becomes the sum of both."""
+        """First and last rank: the tied embedding's gradient becomes the sum of both. Both
+        ranks always join the sum (a copy that took no gradient adds zeros), each in its
+        weight's layout (a tensor-parallel embedding's gradient comes back replicated while its
+        weight is a vocabulary shard: brought to the shard first)."""
         w = self.tied_weight()
-        if w is None or w.grad is None:
+        if w is None:
             return
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
         g = w.grad
-        local = g.to_local() if hasattr(g, "to_local") else g
-        dist.all_reduce(local, group=self._ends)
+        if hasattr(g, "to_local"):
+            if g.placements != w.placements:
+                g = w.grad = g.redistribute(w.device_mesh, w.placements)
+            g = g.to_local()
+        dist.all_reduce(g, group=self._ends)
 
     def norm_parameters(self) -> list[nn.Parameter]:
         """The parameters whose gradients enter the global norm: the tied copy of the last rank

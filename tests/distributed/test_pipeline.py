@@ -46,6 +46,9 @@ ODD_WINDOW = 3
 FOUR = [
     h.Layouts("pp2xdp2", P(pp=2, dp_shard=2), [P(), P()]),
     h.Layouts("pp2xdp2_teacher_tp2", P(pp=2, dp_replicate=2, dp_shard=1), [P(tp=2), P()]),
+    # each stage tensor parallel over two ranks (the tied embedding: a vocabulary shard on the
+    # first and the last stage of each tensor-parallel rank)
+    h.Layouts("pp2xtp2", P(pp=2, tp=2, dp_shard=1), [P(), P()]),
 ]
 # two stages on each rank of two, interleaved: the deeper student's 4 blocks, one per stage
 INTERLEAVED = P(pp=2, pp_schedule="Interleaved1F1B", pp_stages_per_rank=2)
@@ -336,7 +339,7 @@ def test_bad_pipeline_layouts_are_refused_before_loading(setup):
     assert "train.grad_accum = 1" in refused(2, P(pp=2), grad_accum=1)
     assert "= 6, but the job has 4 processes" in refused(4, P(pp=2, dp_shard=3))
     assert "does not divide the world size 3" in refused(3, P(pp=2))
-    assert "combine with data parallelism" in refused(4, P(pp=2, tp=2))
+    assert "not with context parallelism" in refused(4, P(pp=2, cp=2))
     assert "teachers.0.parallel.pp = 2" in refused(2, P(pp=2), teacher=P(pp=2, dp_shard=1))
     # interleaved: 2 x 2 stages, more than the student's blocks; a deeper student takes them
     assert blocks < 4
