@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -42,6 +43,19 @@ def profile_real_step(bench: Bench, args, steps: int = 2) -> dict:
     out = profile_steps(step, steps, dev.type == "cuda")
     if dev.type == "cuda":
         out["syncs"] = find_syncs(step)
+    return out
+
+
+def profiles_per_rank(bench: Bench, profile: dict) -> list[dict] | None:
+    """Every rank's profile, on every rank, when the job's processes all run the student (a
+    job with separate teachers keeps the student's only: None)."""
+    import torch.distributed as dist
+
+    env = bench.c.env
+    if env.world_size == 1 or env.job_size != env.world_size:
+        return None
+    out: list = [None] * env.world_size
+    dist.all_gather_object(out, profile)
     return out
 
 
@@ -219,17 +233,23 @@ def main(argv: list[str] | None = None) -> int:
             result.update(profiled_step(bench, args))
         if args.profile:
             result["profile"] = profile_real_step(bench, args)
+            per_rank = profiles_per_rank(bench, result["profile"])
+            if per_rank is not None:
+                result["profile_per_rank"] = per_rank
         if args.baseline == "naive":
             result.update(naive_step(bench, args))  # last: it drops our models
 
     result = measure(args, extras)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0  # a job under torchrun reports once, from its first process
     result["command"] = "python benchmarks/bench_step.py " + " ".join(sys.argv[1:])
     if args.json:
         print(json.dumps(result))
         return 0
     print_table(result)
-    if "profile" in result:
-        print(format_profile(result["profile"]))
+    for rank, p in enumerate(result.get("profile_per_rank") or [result.get("profile")]):
+        if p is not None:
+            print(f"rank {rank}: " + format_profile(p))
     return 0
 
 

@@ -50,14 +50,81 @@ def profile_steps(step: Callable[[], None], steps: int, cuda: bool, top: int = 2
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
     out = summarize(prof.key_averages(), wall, steps, cuda, top)
+    events = prof.events()
     if cuda:
         spans = [
             (e.time_range.start, e.time_range.end, e.name)
-            for e in prof.events()
-            if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > 0
+            for e in events
+            if _on_device(e) and not _is_range(e) and e.time_range.end > 0
         ]
         out["gaps"] = largest_gaps(spans, steps)
+    out["phases"] = phase_times(events, steps, cuda)
     return out
+
+
+PHASE_PREFIX = "crossdistill/"  # the step's ranges (`crossdistill.train.step.PHASE_*`)
+
+
+def _on_device(e) -> bool:
+    return str(getattr(e, "device_type", "")).endswith("CUDA")
+
+
+def _is_range(e) -> bool:
+    """A `record_function` range (its device-side copy spans kernels counted already)."""
+    name = getattr(e, "name", None) or e.key  # an event, or an average of events
+    return bool(getattr(e, "is_user_annotation", False)) or name.startswith(
+        (PHASE_PREFIX, "ProfilerStep")
+    )
+
+
+def phase_times(events, steps: int, cuda: bool) -> dict[str, dict[str, float]]:
+    """Per step, for each of the step's phases (`crossdistill/...` ranges): `host_ms`, the time
+    the host spent inside it; on a GPU `kernel_ms`, the device time of the kernels it launched,
+    and where the profiler recorded the range on the device too, `span_ms` (its first kernel's
+    start to its last kernel's end), `communication_ms` and `compute_ms` (kernels running inside
+    that span, by kind) and `idle_ms` (the span's time with no kernel running: waiting for the
+    host, for another rank or for a transfer)."""
+    out: dict[str, dict[str, float]] = {}
+
+    def add(name: str, key: str, us: float) -> None:
+        row = out.setdefault(name[len(PHASE_PREFIX) :], {})
+        row[key] = row.get(key, 0.0) + us / 1e3 / max(steps, 1)
+
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, kind_of(e.name))
+        for e in events
+        if cuda and _on_device(e) and not _is_range(e) and e.time_range.end > 0
+    )
+    for e in events:
+        if not e.name.startswith(PHASE_PREFIX):
+            continue
+        if not _on_device(e):
+            add(e.name, "host_ms", e.time_range.end - e.time_range.start)
+            if cuda:
+                add(e.name, "kernel_ms", float(getattr(e, "device_time_total", 0.0)))
+            continue
+        if not cuda:
+            continue
+        start, end = e.time_range.start, e.time_range.end
+        add(e.name, "span_ms", end - start)
+        inside = [(max(a, start), min(b, end), k) for a, b, k in kernels if a < end and b > start]
+        for a, b, kind in inside:
+            add(e.name, "communication_ms" if kind == "communication" else "compute_ms", b - a)
+        add(e.name, "idle_ms", (end - start) - _union([(a, b) for a, b, _ in inside]))
+    return {name: {k: round(v, 3) for k, v in row.items()} for name, row in out.items()}
+
+
+def _union(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by `intervals` (overlaps counted once)."""
+    total, reach = 0.0, None
+    for a, b in sorted(intervals):
+        if reach is None or a > reach:
+            total += b - a
+            reach = b
+        elif b > reach:
+            total += b - reach
+            reach = b
+    return total
 
 
 def largest_gaps(spans: list[tuple[float, float, str]], steps: int, top: int = 10) -> list[dict]:
@@ -117,11 +184,11 @@ def summarize(events, wall_s: float, steps: int, cuda: bool, top: int) -> dict:
             is_kernel = str(getattr(e, "device_type", "")).endswith("CUDA")
             # ranges of annotated regions (`Optimizer.step#AdamW.step`, ...) span kernels
             # already counted: skip them
-            if not is_kernel or us <= 0 or "#" in e.key or e.key.startswith("ProfilerStep"):
+            if not is_kernel or us <= 0 or "#" in e.key or _is_range(e):
                 continue
         else:
             us = float(e.self_cpu_time_total)
-            if us <= 0:
+            if us <= 0 or _is_range(e):
                 continue
         rows.append((e.key, us / steps / 1e3, e.count // max(steps, 1)))
     rows.sort(key=lambda r: -r[1])
@@ -151,6 +218,10 @@ def format_profile(p: dict) -> str:
     ]
     for row in p["top"]:
         lines.append(f"  {row['ms']:8.2f} ms  {row['calls']:5d}x  {row['kind']:12s} {row['name']}")
+    if p.get("phases"):
+        lines.append("  by phase (ms per step):")
+        for name, row in p["phases"].items():
+            lines.append(f"  {name:28s} " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
     if p.get("gaps"):
         lines.append("  device idle, largest gaps (after -> before):")
         for g in p["gaps"]:

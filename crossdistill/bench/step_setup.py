@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 
 from crossdistill.config import (
     Config,
@@ -25,7 +26,7 @@ from crossdistill.config import (
 )
 from crossdistill.distributed.runtime import target_wait
 from crossdistill.train.build import Components, build_components
-from crossdistill.train.step import StepSettings, train_step
+from crossdistill.train.step import PHASE_OPTIMIZER, StepSettings, train_step
 
 TINY = {
     "num_hidden_layers": 2,
@@ -177,9 +178,10 @@ def next_window(bench: Bench, args, counts: list[int] | None = None) -> list:
 def one_step(bench: Bench, window: list) -> None:
     c = bench.c
     train_step(c.student, c.slots, window, bench.settings, c.placement)
-    c.placement.clip_grads(c.student, 1.0)  # the trainer's (any layout)
-    c.optimizer.step()
-    c.optimizer.zero_grad(set_to_none=True)
+    with record_function(PHASE_OPTIMIZER):
+        c.placement.clip_grads(c.student, 1.0)  # the trainer's (any layout)
+        c.optimizer.step()
+        c.optimizer.zero_grad(set_to_none=True)
 
 
 def timed_steps(bench: Bench, args) -> dict[str, float]:

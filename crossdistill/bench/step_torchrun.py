@@ -91,10 +91,15 @@ def one_gpu_reference(args) -> dict | None:
     argv = [a for a in sys.argv[1:] if a != "--one-gpu-reference"]
     argv = _without_layouts(argv) + ([] if "--json" in argv else ["--json"])
     env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES}
-    if args.device.startswith("cuda"):
-        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("LOCAL_RANK", "0")
+    if args.device.startswith("cuda"):  # this process's GPU, among those the job sees
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[local] if visible else str(local)
+    # the command as it was started: `-m crossdistill bench step`, or a script that adds its
+    # extras to the bench (`benchmarks/bench_step.py`)
+    program = ["-m", "crossdistill"] if sys.argv[0].endswith("__main__.py") else [sys.argv[0]]
     done = subprocess.run(
-        [sys.executable, "-m", "crossdistill", *argv], env=env, capture_output=True, text=True
+        [sys.executable, *program, *argv], env=env, capture_output=True, text=True
     )
     if done.returncode != 0:
         from crossdistill.errors import UserError

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from crossdistill.config import TeacherConfig
 from crossdistill.distributed import cp as cpmod
@@ -52,6 +53,11 @@ LN2 = math.log(2.0)
 TeacherPadding = Literal["auto", "drop", "keep"]
 
 _MESHES: dict[tuple[int, ...], Any] = {}
+
+# `torch.profiler` ranges of a teacher laid out over several data ranks: its inputs gathered
+# from them, and this rank's part taken from the targets of all
+EXCHANGE_INPUTS = "crossdistill/teacher_inputs_exchange"
+EXCHANGE_TARGETS = "crossdistill/teacher_targets_exchange"
 
 
 @dataclass
@@ -180,12 +186,14 @@ class Placement:
         labels = _to(tb.labels, self.device).flatten()
         _, kd_rows = kd_positions(_to(tb.chunks, self.device))
         if len(set(owners)) > 1:  # the teacher's group reads several ranks' data: run them all
-            joint = _gather_inputs(ids, pos, labels.view(ids.shape), kd_rows, group, owners)
+            with record_function(EXCHANGE_INPUTS):
+                joint = _gather_inputs(ids, pos, labels.view(ids.shape), kd_rows, group, owners)
             hidden = self._hidden(slot, joint.ids, joint.pos, None)
             targets = self._targets(
                 slot, k, hidden, joint.kd_rows, joint.labels.flatten(), chunk_size, fused
             )
-            return joint.mine(targets, ids.shape)
+            with record_function(EXCHANGE_TARGETS):
+                return joint.mine(targets, ids.shape)
         rows = self._real_rows(slot, tb)
         if rows is None:
             hidden = self._hidden(slot, ids, pos, segments_of(tb, self.device))

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.profiler import record_function
 
 from crossdistill.config import TrainConfig
 from crossdistill.distributed.runtime import (
@@ -41,6 +42,14 @@ from crossdistill.losses import (
 )
 
 LN2 = math.log(2.0)
+# the step's phases as `torch.profiler` ranges (a profile of a step reads its time per phase)
+PHASE_TEACHERS = "crossdistill/teachers"
+PHASE_COUNTS = "crossdistill/counts"
+PHASE_FORWARD = "crossdistill/student_forward"
+PHASE_LOSS = "crossdistill/student_loss"
+PHASE_BACKWARD = "crossdistill/student_backward"
+PHASE_PIPELINE = "crossdistill/pipeline"
+PHASE_OPTIMIZER = "crossdistill/optimizer"  # clipping and the update (the caller's)
 
 
 @dataclass
@@ -106,10 +115,14 @@ def train_step(
         )
 
     pipe = place.pipeline
-    targets = place.window_targets(slots, [mb.teachers for mb in micro_batches], targets_of)
+    with record_function(PHASE_TEACHERS):
+        targets = place.window_targets(slots, [mb.teachers for mb in micro_batches], targets_of)
     if targets is None:  # a pipeline stage before the last: the loss and its counts are not here
         move_offloaded(slots, "cpu")
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+        with (
+            torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast),
+            record_function(PHASE_PIPELINE),
+        ):
             pipe.train([mb.student for mb in micro_batches], None)
         return pipe.share({})
     terms = [
@@ -132,11 +145,12 @@ def train_step(
     teacher_bytes = [
         sum(target_bytes(mb.teachers[k], dev) for mb in micro_batches) for k in range(len(slots))
     ]
-    stats = place.reduce_counts(
-        torch.cat([counts, torch.stack(teacher_nll + teacher_bytes).to(torch.float64)])
-        if slots
-        else counts
-    )
+    with record_function(PHASE_COUNTS):
+        stats = place.reduce_counts(
+            torch.cat([counts, torch.stack(teacher_nll + teacher_bytes).to(torch.float64)])
+            if slots
+            else counts
+        )
     ce_den, kd_dens = stats[0], stats[1 : 1 + len(slots)]
     npb = [
         stats[1 + len(slots) + k] / stats[1 + 2 * len(slots) + k].clamp(min=1)
@@ -155,7 +169,10 @@ def train_step(
         lm_head, vocab = place.lm_head(student)  # after the forward: FSDP has gathered it
         # under autocast too: the lm_head matmuls run in bf16 (fp32 master weight cast once
         # per chunk pass), with fp32 softmax and accumulation inside the loss
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+        with (
+            torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast),
+            record_function(PHASE_LOSS),
+        ):
             loss, metrics = student_loss(
                 hidden,
                 lm_head,
@@ -173,13 +190,21 @@ def train_step(
         return loss
 
     if pipe is not None:  # the stages run the micro-batches in the schedule's order
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+        with (
+            torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast),
+            record_function(PHASE_PIPELINE),
+        ):
             pipe.train([mb.student for mb in micro_batches], loss_of)
     else:
         for i, mb in enumerate(micro_batches):
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast):
+            with (
+                torch.autocast(dev.type, dtype=torch.bfloat16, enabled=settings.autocast),
+                record_function(PHASE_FORWARD),
+            ):
                 hidden, rows = place.student_hidden(student, mb.student)
-            loss_of(i, hidden, rows).backward()
+            loss = loss_of(i, hidden, rows)
+            with record_function(PHASE_BACKWARD):
+                loss.backward()
     total = place.reduce_metrics(total)
     for k, s in enumerate(slots):
         total[f"teacher_bpb/{s.cfg.name}"] = npb[k] / LN2

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.profile_summary import kind_of, largest_gaps
+from benchmarks.profile_summary import kind_of, largest_gaps, phase_times
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -41,6 +41,11 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     prof = result["profile"]
     assert prof["top"] and prof["busy_ms"] > 0 and prof["step_ms"] > 0
     assert abs(sum(prof["ms_by_kind"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
+    # the step's phases, read from its profiler ranges; none of them counted as an operator
+    phases = prof["phases"]
+    for name in ("teachers", "student_forward", "student_loss", "student_backward", "optimizer"):
+        assert phases[name]["host_ms"] > 0, name
+    assert not any(row["name"].startswith("crossdistill/") for row in prof["top"])
 
 
 def test_kernel_kinds():
@@ -75,6 +80,36 @@ def test_largest_gaps_sum_idle_time_between_kernels():
     assert by_pair[("a", "b")]["ms"] == round(50 / 1e3 / 2, 3)
     assert gaps[0]["after"] == "a" and gaps[0]["before"] == "a"
     assert sum(g["ms"] for g in gaps) == pytest.approx((80 + 600 + 50 + 100) / 1e3 / 2, abs=2e-3)
+
+
+class _Event:
+    def __init__(self, name, start, end, device=False, annotation=False, device_us=0.0):
+        self.name, self.is_user_annotation = name, annotation
+        self.device_type = "DeviceType.CUDA" if device else "DeviceType.CPU"
+        self.time_range = type("Range", (), {"start": start, "end": end})()
+        self.device_time_total = device_us
+
+
+def test_phase_times_split_a_range_into_compute_communication_and_idle():
+    events = [  # two steps; the phase's host range, its device range, kernels on two streams
+        _Event("crossdistill/teachers", 0, 50, device_us=70.0),
+        _Event("crossdistill/teachers", 10, 110, device=True, annotation=True),
+        _Event("sm90_xmma_gemm", 10, 40, device=True),
+        _Event("ncclDevKernel_AllGather", 30, 60, device=True),  # overlaps the matmul
+        _Event("flash_fwd_kernel", 90, 110, device=True),  # idle 60 -> 90 before it
+        _Event("sm90_xmma_gemm", 200, 300, device=True),  # outside the phase
+        _Event("crossdistill/teachers", 1000, 1030, device_us=10.0),
+        _Event("crossdistill/teachers", 1000, 1010, device=True, annotation=True),
+        _Event("triton_poi_fused", 1000, 1010, device=True),
+    ]
+    row = phase_times(events, steps=2, cuda=True)["teachers"]
+    assert row["host_ms"] == pytest.approx((50 + 30) / 1e3 / 2, abs=1e-3)
+    assert row["kernel_ms"] == pytest.approx(80 / 1e3 / 2, abs=1e-3)
+    assert row["span_ms"] == pytest.approx((100 + 10) / 1e3 / 2, abs=1e-3)
+    assert row["communication_ms"] == pytest.approx(30 / 1e3 / 2, abs=1e-3)
+    assert row["compute_ms"] == pytest.approx((30 + 20 + 10) / 1e3 / 2, abs=1e-3)
+    assert row["idle_ms"] == pytest.approx(30 / 1e3 / 2, abs=1e-3)
+    assert set(phase_times(events, steps=1, cuda=False)["teachers"]) == {"host_ms"}
 
 
 def test_optimised_vs_plain_script_on_cpu(tokenizer_dir):

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The distillation step on four GPUs of one machine, the heterogeneous layouts against FSDP:
+# `benchmarks/bench_step.py` (the bench's own command plus a profile of every rank) under
+# torchrun, Qwen3-4B-shaped teacher -> Llama-3.2-1B-shaped student (random weights, real
+# tokenizers), sequence 4096, compiled blocks.
+# Usage (from the repository root, on a machine with four GPUs):
+#   TOK=/path/to/tokenizers OUT=/path/to/results [ONLY="fsdp4 hetero"] bash benchmarks/step_4gpu.sh
+# TOK holds llama3/hf and qwen3/hf. Records: $OUT/step-4gpu-<layout>-<date>.json, one per layout,
+# written as each finishes; `profile_per_rank` holds each rank's time by kernel kind and by phase
+# of the step (teachers, their input exchange, counts, student forward / loss / backward,
+# optimizer; on the GPU: kernel time, communication, compute and idle inside each phase).
+# Layouts (all by default, in this order):
+#   fsdp4           the defaults: student FSDP over the four GPUs, teacher replicated; with the
+#                   one-GPU run of the same command first
+#   hetero          student TP2 x DP2 (FSDP), teacher TP2 x CP2 (each teacher rank pair reads
+#                   both data ranks' sequences)
+#   s_tp2dp2        the same student, the teacher replicated: the student's layout alone
+#   t_tp2cp2        student FSDP over four, the teacher TP2 x CP2: the teacher's layout alone
+#   pp2dp2          the student in two pipeline stages, each FSDP over two GPUs, 8 micro-batches
+#   pp2tp2          two pipeline stages, each tensor parallel over two GPUs
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+TOK=${TOK:?set TOK to the tokenizers folder}
+export CROSSDISTILL_TOKENIZERS="${CROSSDISTILL_TOKENIZERS:-$TOK}"
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+stamp=$(date -u +%Y%m%d)
+stage() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
+S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
+Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
+C=(--seq-len 4096 --compile --steps ${STEPS:-8} --warmup ${WARMUP:-3} --json)
+four() {  # name, then bench_step.py arguments: torchrun over the four GPUs
+    local name=$1; shift
+    python3 -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_step.py "$@" \
+        | tail -1 > "$OUT/step-4gpu-$name-$stamp.json"
+    echo "$name: $(head -c 300 "$OUT/step-4gpu-$name-$stamp.json")"
+}
+ST=(--set student.parallel.tp=2)
+TT=(--set teachers.0.parallel.tp=2 --set teachers.0.parallel.cp=2)
+stage fsdp4 && four fsdp4 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
+    --one-gpu-reference
+stage hetero && four hetero "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
+    "${ST[@]}" "${TT[@]}"
+stage s_tp2dp2 && four s_tp2dp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
+    "${ST[@]}"
+stage t_tp2cp2 && four t_tp2cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
+    "${TT[@]}"
+P=(--micro-batch 1 --grad-accum 8 --set student.parallel.pp=2)
+stage pp2dp2 && four pp2dp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}"
+stage pp2tp2 && four pp2tp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}" "${ST[@]}"
+exit 0
