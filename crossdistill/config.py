@@ -65,7 +65,7 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel
     cp: int = 1  # context (sequence) parallel
     # pipeline ranks, each holding pp_stages_per_rank stages of the student's blocks (the
-    # student only; combines with dp_replicate, dp_shard and tp, not with cp)
+    # student only; combines with dp_replicate, dp_shard, tp and cp)
     pp: int = 1
     # every schedule needs train.grad_accum >= pp micro-batches per data rank; Interleaved1F1B
     # also needs them to split into grad_accum // pp equal rounds (a multiple of pp does)

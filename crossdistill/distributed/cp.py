@@ -20,10 +20,18 @@ runs on CUDA, so it cannot keep packed documents apart; it is not used.
 Labels are shifted by the data pipeline before sharding (`labels[i]` is token `i + 1`), so the
 next-token target of the last position of a piece is already there, whichever rank holds the
 next piece: no communication is needed for the shift.
+
+Pipeline stages run it too (`distributed/pipeline.py`): each stage's ranks are a context-parallel
+group, the hidden states a stage hands on are each rank's own rows, and the last stage's loss
+takes this rank's rows (`row_shard`). A pipeline runs other micro-batches' forwards between a
+micro-batch's forward and its backward, so a block recomputed for the backward (activation
+checkpointing) first gets back the sequence its forward saw (`CPState.recompute_context`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +39,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
+
+from crossdistill.losses.sharding import RowShard
 
 CP_ATTENTION = "crossdistill_cp"
 
@@ -159,6 +169,21 @@ class CPState:
         self.positions, self._mask, self._segments = position_ids, None, None
         return shard_rows(position_ids, self.size, self.rank)
 
+    def recompute_context(self) -> tuple[Any, Any]:
+        """Activation checkpointing's `context_fn`: the forward runs as it is, and recomputing
+        it for the backward sees the sequence (positions, mask, segments) it saw, whatever ran
+        in between (a pipeline's other micro-batches); the state is left as it was after."""
+        return nullcontext(), self._seeing(self.positions, self._mask, self._segments)
+
+    @contextmanager
+    def _seeing(self, positions: Tensor | None, mask: Any, segments: Any) -> Iterator[None]:
+        now = self.positions, self._mask, self._segments
+        self.positions, self._mask, self._segments = positions, mask, segments
+        try:
+            yield
+        finally:
+            self.positions, self._mask, self._segments = now
+
     @property
     def mask(self) -> Tensor:
         if self._mask is None:
@@ -172,6 +197,18 @@ class CPState:
             device = self.positions.device
             self._segments = cp_segments(self.positions, self.size, self.rank).to(device)
         return self._segments
+
+
+def row_shard(state: CPState, batch: int, length: int, device=None) -> RowShard:
+    """The loss's view of this rank's rows of a `[B, T]` batch (flattened, `global_rows`);
+    chunk-level terms sum over the group."""
+    rows = global_rows(batch, length, state.size, state.rank, device)
+
+    def all_reduce_sum(x: Tensor) -> Tensor:
+        dist.all_reduce(x, group=state.group)
+        return x
+
+    return RowShard(rows, batch * length, all_reduce_sum)
 
 
 class _GatherSequence(torch.autograd.Function):

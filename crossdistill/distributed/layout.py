@@ -11,8 +11,9 @@ checks them against the world size and the model, and builds ONE named `DeviceMe
 
 `tp` is innermost so that a tensor-parallel group is a set of neighbouring ranks (one node);
 `pp` (the student's pipeline, `distributed/pipeline.py`) is outermost, so each pipeline rank is
-a plain layout of `world / pp` ranks and the ranks exchange only hidden states. A pipeline rank
-holds `stages_per_rank` of its `pp x stages_per_rank` stages (interleaved schedules).
+a plain layout of `world / pp` ranks and the ranks exchange only hidden states (under `cp`, each
+rank its own rows of them). A pipeline rank holds `stages_per_rank` of its
+`pp x stages_per_rank` stages (interleaved schedules).
 The student and each teacher get their own layout over the same ranks; everything else asks the
 layout (or its mesh) for ranks, sizes and process groups.
 """
@@ -140,12 +141,6 @@ class ParallelLayout:
             raise UserError(f"{where}.dp_shard must be >= 1 or -1 (the rest), got {cfg.dp_shard}")
         pp = cfg.pp
         _check_stages_per_rank(cfg, where)
-        if pp > 1 and cfg.cp > 1:
-            raise UserError(
-                f"{where}.pp = {pp} with cp = {cfg.cp}: pipeline stages combine with data and "
-                "tensor parallelism (dp_replicate, dp_shard, tp), not with context parallelism; "
-                "set cp to 1"
-            )
         others = pp * cfg.dp_replicate * cfg.cp * cfg.tp
         shard = cfg.dp_shard
         if shard == -1:

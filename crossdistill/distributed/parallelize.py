@@ -91,11 +91,15 @@ def apply_cp(model: nn.Module, cp_mesh: Any) -> None:
     set_attention(model, CP_ATTENTION)
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks: int = 0, scope: str = "block") -> None:
+def apply_activation_checkpointing(
+    model: nn.Module, blocks: int = 0, scope: str = "block", context_fn: Any = None
+) -> None:
     """Recompute activations in backward (non-reentrant): each block's whole forward (`scope`
     "block"); only its MLP ("mlp": the gate/up activations, the largest of a block, for its
     gate/up matmuls again; attention is not recomputed); or only the MLP's elementwise work
-    ("selective", see `_recompute_elementwise`). `blocks` > 0: only the first `blocks`."""
+    ("selective", see `_recompute_elementwise`). `blocks` > 0: only the first `blocks`.
+    `context_fn`: `torch.utils.checkpoint`'s, for a whole block's recompute (a pipeline's
+    context-parallel attention: `CPState.recompute_context`)."""
     from crossdistill.config import CHECKPOINT_SCOPES
 
     if scope not in CHECKPOINT_SCOPES:
@@ -106,7 +110,9 @@ def apply_activation_checkpointing(model: nn.Module, blocks: int = 0, scope: str
         for layer in chosen:
             _recompute_in_backward(layer.mlp, elementwise_only=scope == "selective")
         return
-    kwargs = {"use_reentrant": False}
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:  # the older name (deprecated where the new one exists)
@@ -181,12 +187,16 @@ def apply_block_options(
     checkpoint_blocks: int = 0,
     compile_blocks: bool = False,
     checkpoint_scope: str = "block",
+    checkpoint_context: Any = None,
 ) -> None:
     """Per-block options a model gets on one device as under any layout: activation
-    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all; `checkpoint_scope` as for
-    `apply_activation_checkpointing`), then compiling."""
+    checkpointing (of the first `checkpoint_blocks` blocks, 0 = all; `checkpoint_scope` and
+    `checkpoint_context` as `scope` and `context_fn` for `apply_activation_checkpointing`),
+    then compiling."""
     if activation_checkpointing:
-        apply_activation_checkpointing(model, checkpoint_blocks, checkpoint_scope)
+        apply_activation_checkpointing(
+            model, checkpoint_blocks, checkpoint_scope, checkpoint_context
+        )
     if compile_blocks:
         apply_compile(model)
 
@@ -273,7 +283,7 @@ def parallelize_model(
     (no second all-gather; memory of the full model per rank, as plain data parallelism).
     `param_dtype`: FSDP gathers parameters in this dtype (bf16 halves the traffic; gradients
     are still reduced in float32)."""
-    options = {
+    options: dict[str, Any] = {
         "activation_checkpointing": activation_checkpointing,
         "checkpoint_blocks": checkpoint_blocks,
         "checkpoint_scope": checkpoint_scope,
@@ -286,6 +296,8 @@ def parallelize_model(
         apply_tp(model, mesh["tp"])
     if layout.cp > 1:
         apply_cp(model, mesh["cp"])
+        if layout.pp > 1:  # a block recomputed for its backward: its micro-batch's sequence
+            options["checkpoint_context"] = model.cp_state.recompute_context
     apply_block_options(model, **options)
     dp_mesh = fsdp_mesh(layout, mesh, trainable)
     if dp_mesh is not None:

@@ -33,6 +33,12 @@ and the pipeline idles less).
 - The loss runs in the last stage, divided by the global batch's counts as in every layout, so
   the schedule must not scale gradients (`scale_grads=False`). Metrics are summed over the
   pipeline group (the other ranks add zeros), so every rank holds them.
+- Context parallelism: each stage's ranks are a context-parallel group (`distributed/cp.py`).
+  Every rank of a stage takes its own rows of each micro-batch (`shard_rows`), its attention
+  gathers the keys and values of the group, and the hidden states it hands on are its own rows
+  (`[B, T/cp, H]`): a pipeline group is the stages of one context-parallel rank. The last
+  stage's loss takes that rank's rows of the labels and targets (`row_shard`; the targets of a
+  micro-batch come whole, as without context parallelism) over the global batch's counts.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from crossdistill.distributed import cp as cpmod
 from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.errors import UserError
 from crossdistill.losses.payload import (
@@ -53,9 +60,13 @@ from crossdistill.losses.payload import (
     payload_sizes,
     unpack_targets,
 )
+from crossdistill.losses.sharding import RowShard
 from crossdistill.losses.targets import TeacherTargets
 from crossdistill.models.attention import segments_of
 from crossdistill.models.forward import HeldElsewhere, decoder_of
+
+# the last rank's loss of micro-batch i from its final hidden states and their rows
+LossOf = Callable[[int, Tensor, RowShard | None], Tensor]
 
 
 def stage_blocks(num_blocks: int, stages: int, head_blocks: float = 0.0) -> list[range]:
@@ -215,6 +226,9 @@ class StudentStage(nn.Module):
 
     def forward(self, x: Tensor, mb: Tensor) -> Tensor:
         pos, segments = self.inputs[int(mb.reshape(-1)[0])]
+        state = getattr(self.model, "cp_state", None)
+        if state is not None:  # `x` holds this rank's rows; attention sees the whole sequence
+            pos, segments = state.begin(pos), None
         with decoder_of(self.model).layers.running(self.stage):
             hidden = model_hidden(self.model, x, pos, segments)
         return hidden.to(self.dtype)
@@ -246,10 +260,12 @@ class StudentPipeline:
         self.inputs: list[tuple[Tensor, Any]] = []  # per micro-batch: positions, segments
         self.modules = [StudentStage(model, s, self.inputs, dtype) for s in sorted(blocks.stages)]
         self.rows, self.length = rows, length
+        self.cp = getattr(model, "cp_state", None)  # each stage's context-parallel group
+        self.cp_size = self.cp.size if self.cp is not None else 1
         self.hidden_size = model.config.hidden_size
         self.dtype = dtype
         self._schedules: dict[int, Any] = {}
-        self._loss_of: Callable[[int, Tensor], Tensor] | None = None  # the last rank's
+        self._loss_of: LossOf | None = None  # the last rank's
         self._keys: list[str] | None = None
         ranks = dist.get_process_group_ranks(self.group)
         self._ends = None  # first and last rank of this pipeline: the tied copies
@@ -281,7 +297,7 @@ class StudentPipeline:
         """`module` as a `PipelineStage`, with examples of its inputs and output."""
         from torch.distributed.pipelining import PipelineStage
 
-        shape = (self.rows, self.length)
+        shape = (self.rows, self.length // self.cp_size)  # this rank's rows
         ids = torch.zeros(shape, dtype=torch.long, device=self.device)
         hidden = torch.zeros(*shape, self.hidden_size, dtype=self.dtype, device=self.device)
         hidden.requires_grad_()  # the examples say which tensors carry gradients back
@@ -296,19 +312,30 @@ class StudentPipeline:
         )
 
     def _loss(self, hidden: Tensor, mb: Tensor) -> Tensor:
-        return self._loss_of(int(mb.reshape(-1)[0]), hidden.flatten(0, 1))
+        rows = self._rows(self.rows, self.length)
+        return self._loss_of(int(mb.reshape(-1)[0]), hidden.flatten(0, 1), rows)
 
-    def train(self, batches: list, loss_of: Callable[[int, Tensor], Tensor] | None) -> None:
+    def _rows(self, batch: int, length: int) -> RowShard | None:
+        """The rows of a `[batch, length]` micro-batch this rank holds (None: all of them)."""
+        return None if self.cp is None else cpmod.row_shard(self.cp, batch, length, self.device)
+
+    def _local(self, ids: Tensor) -> Tensor:
+        """`[B, T]` token ids -> this rank's rows (`[B, T/cp]` under context parallelism)."""
+        return ids if self.cp is None else cpmod.shard_rows(ids, self.cp.size, self.cp.rank)
+
+    def train(self, batches: list, loss_of: LossOf | None) -> None:
         """Forward and backward of every micro-batch in `batches` (this data rank's window) through
-        the pipeline; `loss_of(i, hidden)` returns micro-batch i's loss from its final hidden
-        states `[B·T, H]`, already divided by the global counts (the last rank's; None on the
-        others). Gradients accumulate in the stages' parameters."""
+        the pipeline; `loss_of(i, hidden, rows)` returns micro-batch i's loss from the final
+        hidden states `[N, H]` of the rows `rows` holds (None: all `B·T`), already divided by
+        the global counts (the last rank's; None on the others). Gradients accumulate in the
+        stages' parameters."""
         n = len(batches)
         check_micro_batches(n, self.pp, self.schedule_name)
         self._set_inputs(batches)
         self._loss_of = loss_of
         index = torch.arange(n).view(n, 1)
         ids = torch.stack([b.input_ids for b in batches]).flatten(0, 1).to(self.device)
+        ids = self._local(ids)
         args = (ids,) if self.first else ()
         target = index if self.last else None
         self._schedule(n).step(*args, target=target, mb=index)
@@ -360,25 +387,29 @@ class StudentPipeline:
     # ------------------------------------------------------------------ forward only
 
     @torch.no_grad()
-    def forward(self, batch: Any) -> Tensor | None:
-        """The final hidden states `[B·T, H]` of one micro-batch on the last rank (None on the
-        others): each stage runs it and hands it to the next, so with several stages per rank
-        it goes round the ranks as many times (validation; no schedule needed)."""
+    def forward(self, batch: Any) -> tuple[Tensor | None, RowShard | None]:
+        """The final hidden states `[N, H]` of one micro-batch on the last rank (None on the
+        others) and the rows they are (None: all `B·T`; this rank's under context
+        parallelism): each stage runs it and hands it to the next, so with several stages per
+        rank it goes round the ranks as many times (validation; no schedule needed)."""
         self.inputs[:] = [(batch.position_ids.to(self.device), segments_of(batch, self.device))]
         mb = torch.zeros(1, dtype=torch.long)
         out = None
         for module in self.modules:  # this rank's stages, in order
             stage = module.stage
             if stage == 0:
-                x = batch.input_ids.to(self.device)
+                x = self._local(batch.input_ids.to(self.device))
             else:  # every rank of a pipeline reads the same batch: the shape is known here
-                shape = (*batch.input_ids.shape, self.hidden_size)
+                rows, length = batch.input_ids.shape
+                shape = (rows, length // self.cp_size, self.hidden_size)
                 x = torch.empty(shape, dtype=self.dtype, device=self.device)
                 dist.recv(x, group=self.group, group_src=(stage - 1) % self.pp)
             out = module(x, mb)
             if stage < self.num_stages - 1:
                 dist.send(out.contiguous(), group=self.group, group_dst=(stage + 1) % self.pp)
-        return out.flatten(0, 1) if self.last else None
+        if not self.last:
+            return None, None
+        return out.flatten(0, 1), self._rows(*batch.input_ids.shape)
 
     # ------------------------------------------------------------------ sums and gradients
 

@@ -54,7 +54,7 @@ def evaluate(c: Any, cfg: Config) -> dict[str, float]:
             if place.pipeline is None:
                 hidden, rows = place.student_hidden(c.student, batch.student)
             else:  # the stages hand the batch on; the last one scores it
-                hidden, rows = place.pipeline.forward(batch.student), None
+                hidden, rows = place.pipeline.forward(batch.student)
         if targets is not None:  # an earlier pipeline stage's sums stay zero
             _score(c, cfg, batch, targets[0], hidden, rows, fused, fresh, whole, parts)
     move_offloaded(c.slots, "cpu")

@@ -9,8 +9,8 @@ student of two data ranks served by one teacher process or by a teacher tensor-p
 processes of its own, with both teachers separate, and after the run is stopped at step 2 and
 resumed. A student in two pipeline stages takes a separate teacher's targets on its last stage
 alone: pp2 with the teacher on a third process (uninterrupted, and stopped at step 2 and
-resumed) gives the one-process run, and pp2 x dp2 with a teacher of two data-parallel ranks on
-two processes of its own the dp2 run. A teacher that dies ends the student with one line naming
+resumed) gives the one-process run, as pp2 x cp2 does, and pp2 x dp2 with a teacher of two
+data-parallel ranks on two processes of its own the dp2 run. A teacher that dies ends the student with one line naming
 it.
 """
 
@@ -36,6 +36,7 @@ REL = 1e-5
 STEPS = 4
 PP2 = {"pp": 2}
 PP2_DP2 = {"pp": 2, "dp_shard": 2}
+PP2_CP2 = {"pp": 2, "cp": 2, "dp_shard": 1}
 TEACHER_DP2 = {"ranks": 2, "parallel": {"dp_shard": 2}}  # a group per data rank
 
 
@@ -124,6 +125,8 @@ def runs(base):
         ("pp2-stopped", ("qwen",), 3, 2, {"student": PP2}),
         ("pp2-resumed", ("qwen",), 3, None, {"student": PP2}),
         ("pp2xdp2-separate-dp2", ("qwen",), 6, None, {"student": PP2_DP2, **TEACHER_DP2}),
+        # each stage context parallel over two ranks: both of the last stage's take the targets
+        ("pp2xcp2-separate", ("qwen",), 5, None, {"student": PP2_CP2}),
     ]
     out = {}
     for i, (key, separate, processes, stop, settings) in enumerate(cases):
@@ -180,13 +183,16 @@ PIPELINE_FLOOR = 1e-7
         ("pp2-separate", "colocated"),
         ("pp2-resumed", "colocated"),
         ("pp2xdp2-separate-dp2", "dp2-colocated"),
+        ("pp2xcp2-separate", "colocated"),
     ],
 )
 def test_a_pipeline_with_a_separate_teacher_gives_the_run_of_its_data_ranks(runs, name, reference):
     """The loss runs in the last stage, which alone receives the teacher's targets, in training
     and validation; the teacher's data-parallel groups each serve one data rank's last stage.
     pp2 gives the one-process run (also stopped at step 2 and resumed), pp2 x dp2 the run of
-    the same two data ranks, every logged value, `target_wait` the last stage's."""
+    the same two data ranks, pp2 x cp2 (the last stage's two context-parallel ranks each take
+    the targets and score their rows) the one-process run; every logged value, `target_wait`
+    the last stage's."""
     _assert_same(runs[name], runs[reference], name, floor=PIPELINE_FLOOR)
     assert "target_wait" in runs[name][1]
 
@@ -287,6 +293,8 @@ def test_a_pipeline_takes_its_targets_on_its_last_stage(base):
     pp2_dp2 = ParallelLayout(dp_shard=2, pp=2)  # ranks [pp, dp]: [[0, 1], [2, 3]]
     assert [student_ranks_of(d, pp2_dp2) for d in (0, 1)] == [[2], [3]]
     assert student_ranks_of(1, ParallelLayout(dp_shard=2, tp=2)) == [2, 3]
+    pp2_cp2 = ParallelLayout(dp_shard=1, cp=2, pp=2)  # ranks [pp, cp]: [[0, 1], [2, 3]]
+    assert student_ranks_of(0, pp2_cp2) == [2, 3]
 
 
 def test_teacher_layouts_that_do_not_fit_their_ranks_are_refused(base):
