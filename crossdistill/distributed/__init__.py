@@ -12,6 +12,8 @@ process is the one-rank layout: the same code, with no mesh.
   over mixed shardings; `setup.py`: the layouts of a run, its placement and its models.
 - `pipeline.py`: the student's blocks in pipeline stages over the mesh's `pp` axis, one or
   several (interleaved) per rank, run by a `torch.distributed.pipelining` schedule.
+- `share.py`: a teacher that runs whole on each of a tensor- or context-parallel student's
+  ranks computes each micro-batch of the window on one of them and broadcasts its targets.
 - `streams.py`: separate teachers: the job split into roles (each its own process group), the
   job-wide link between them, and the targets streamed from a teacher's ranks to the student's.
 

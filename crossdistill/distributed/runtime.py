@@ -33,6 +33,7 @@ from crossdistill.distributed import cp as cpmod
 from crossdistill.distributed.grads import clip_grad_norm_
 from crossdistill.distributed.layout import DistEnv, ParallelLayout
 from crossdistill.distributed.parallelize import model_hidden
+from crossdistill.distributed.share import share_window_targets
 from crossdistill.distributed.streams import TargetStream
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import (
@@ -128,6 +129,13 @@ class Placement:
         pp = student.layout.pp if student is not None else 1
         self.teacher_reads = self.data_rank * pp + (student.rank("pp") if pp > 1 else 0)
         self.sources = [None if t is None else self._sources(t) for t in teachers]
+        # the student's ranks that read the same batch (its tensor- and context-parallel
+        # ranks): a teacher that runs whole on each of them shares its work among them
+        self.batch_group: tuple[Any, int, int] | None = None
+        if student is not None and student.mesh is not None:
+            size = student.layout.cp * student.layout.tp
+            if size > 1:
+                self.batch_group = (student.group("cp_tp"), student.rank("cp_tp"), size)
 
     # ------------------------------------------------------------------ teachers
 
@@ -150,11 +158,19 @@ class Placement:
     ) -> list[list[TeacherTargets]] | None:
         """Every teacher's targets of every micro-batch, `[micro-batch][teacher]`, where the loss
         runs. `batches[i]`: micro-batch i's teacher batches; `compute(i, k)`: teacher k's targets
-        of micro-batch i (`teacher_targets`). Pipeline stages share the work of the teachers that
-        run on them, and only the last stage reads the targets of those that do not (cached, or
-        streamed from a separate teacher's ranks): None on the stages before it."""
+        of micro-batch i (`teacher_targets`). The tensor- and context-parallel ranks of a data
+        rank share the work of the teachers that run whole on each of them (`share.py`).
+        Pipeline stages share the work of the teachers that run on them, and only the last stage
+        reads the targets of those that do not (cached, or streamed from a separate teacher's
+        ranks): None on the stages before it."""
         if self.pipeline is None:
-            return [[compute(i, k) for k in range(len(slots))] for i in range(len(batches))]
+            if self.batch_group is None:
+                return [[compute(i, k) for k in range(len(slots))] for i in range(len(batches))]
+            whole = [  # runs whole on this rank, on the batch the group's other ranks read too
+                s.teacher is not None and s.stream is None and self.sources[k][0] is None
+                for k, s in enumerate(slots)
+            ]
+            return share_window_targets(batches, whole, compute, *self.batch_group)
         live = [s.teacher is not None for s in slots]
         return self.pipeline.spread_targets(batches, live, compute)
 

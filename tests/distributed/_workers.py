@@ -23,6 +23,10 @@ TWO_RANKS = [
     Layouts("tp2", P(tp=2, dp_shard=1), [P(tp=2, dp_shard=1)] * 2),
     Layouts("cp2", P(cp=2, dp_shard=1), [P(cp=2, dp_shard=1)] * 2, activation_checkpointing=True),
     Layouts("teacher_tp2_student_dp2", P(dp_shard=2), [P(tp=2, dp_shard=1)] * 2),
+    # teachers whole on each rank: the two ranks of a tensor- or context-parallel student read
+    # the same batch and share the teachers' work (`distributed/share.py`)
+    Layouts("tp2_teachers_whole", P(tp=2, dp_shard=1), [P(dp_replicate=2, dp_shard=1)] * 2),
+    Layouts("cp2_teachers_whole", P(cp=2, dp_shard=1), [P(dp_replicate=2, dp_shard=1)] * 2),
 ]
 FOUR_RANKS = [
     Layouts("tp2xdp2", P(tp=2, dp_shard=2), [P(tp=2, dp_shard=2)] * 2),

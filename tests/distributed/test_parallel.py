@@ -2,7 +2,8 @@
 
 Two spawns serve the whole file (each process start costs seconds): 2 ranks run the loss-level
 checks (vocab-parallel loss and targets, context-parallel row sharding), the layouts dp2,
-fsdp2, tp2, cp2 and teacher tp2 with student dp2, sharded loading, and two `train()` runs
+fsdp2, tp2, cp2, teacher tp2 with student dp2, and tp2 and cp2 students whose teachers run whole
+on each rank (the two ranks share the teachers' work), sharded loading, and two `train()` runs
 (FSDP, sharded checkpoints); 4 ranks run tp2 x dp2 and resume the 2-rank checkpoint as
 tp2 x dp2. Tiny real-architecture models in float32 with real tokenizers; every layout must give
 the single-process loss and gradient norm to 1e-5 relative for 3 optimizer steps.
