@@ -452,8 +452,8 @@ def _gather_inputs(ids, pos, labels, kd_rows, group, owners: list[int]) -> _Join
     group rank reading rank i's data). KD rows are re-based to the stacked layout."""
     me = dist.get_rank(group)
     size = torch.tensor([ids.shape[0], ids.shape[1], kd_rows.shape[0]], device=ids.device)
-    sizes = _all_gather(size, group)
-    width, most_kd = int(sizes[:, 1].max()), int(sizes[:, 2].max())
+    sizes = _all_gather(size, group).tolist()  # the host needs them to pad: one sync
+    width, most_kd = max(s[1] for s in sizes), max(s[2] for s in sizes)
     pad = width - ids.shape[1]
     padded = torch.stack(
         [
@@ -470,7 +470,7 @@ def _gather_inputs(ids, pos, labels, kd_rows, group, owners: list[int]) -> _Join
     parts, kds, b0, m0 = [], [], 0, 0
     start_b = start_m = 0
     for r in keep:
-        b, length, m = (int(v) for v in sizes[r])
+        b, length, m = sizes[r]
         rows = all_kd[r, :m]
         rebased = torch.where(rows >= 0, (rows // length + b0) * width + rows % length, -1)
         if r == owners[me]:
