@@ -28,17 +28,7 @@
 #                 (more memory than an 80 GiB GPU holds: there its error is the record)
 #   long3b_cp2    the same, context parallel over both GPUs (the student sharded over them)
 #   long3b_ckpt14_one, long3b_ckpt14_cp2   the same two with half the student's blocks recomputed
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-TOK=${TOK:?set TOK to the tokenizers folder}
-export CROSSDISTILL_TOKENIZERS="${CROSSDISTILL_TOKENIZERS:-$TOK}"
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-stamp=$(date -u +%Y%m%d)
-stage() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
-S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
-Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
-C=(--seq-len 4096 --compile --steps ${STEPS:-8} --warmup ${WARMUP:-3} --json)
+source "$(dirname "$0")/step_common.sh"
 one() {  # name, then bench step arguments: one process
     local name=$1; shift
     python3 -m crossdistill bench step "$@" | tail -1 > "$OUT/step-2gpu-$name-$stamp.json"

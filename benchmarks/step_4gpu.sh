@@ -15,20 +15,13 @@
 #   hetero          student TP2 x DP2 (FSDP), teacher TP2 x CP2 (each teacher rank pair reads
 #                   both data ranks' sequences)
 #   s_tp2dp2        the same student, the teacher replicated: the student's layout alone
+#   s_tp2dp2_shared the same as s_tp2dp2 in two micro-batches of one sequence per step: the
+#                   tensor-parallel pair computes the replicated teacher's targets once (each
+#                   rank one micro-batch, broadcast to the other)
 #   t_tp2cp2        student FSDP over four, the teacher TP2 x CP2: the teacher's layout alone
 #   pp2dp2          the student in two pipeline stages, each FSDP over two GPUs, 8 micro-batches
 #   pp2tp2          two pipeline stages, each tensor parallel over two GPUs
-set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-TOK=${TOK:?set TOK to the tokenizers folder}
-export CROSSDISTILL_TOKENIZERS="${CROSSDISTILL_TOKENIZERS:-$TOK}"
-OUT=${OUT:-benchmarks/results}
-mkdir -p "$OUT"
-stamp=$(date -u +%Y%m%d)
-stage() { [[ -z "${ONLY:-}" || " $ONLY " == *" $1 "* ]]; }
-S=(--student llama-3.2-1b --student-tokenizer "$TOK/llama3/hf")
-Q=(--teacher qwen3-4b --teacher-tokenizer "$TOK/qwen3/hf")
-C=(--seq-len 4096 --compile --steps ${STEPS:-8} --warmup ${WARMUP:-3} --json)
+source "$(dirname "$0")/step_common.sh"
 four() {  # name, then bench_step.py arguments: torchrun over the four GPUs
     local name=$1; shift
     python3 -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_step.py "$@" \
@@ -43,6 +36,8 @@ stage hetero && four hetero "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --prof
     "${ST[@]}" "${TT[@]}"
 stage s_tp2dp2 && four s_tp2dp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
     "${ST[@]}"
+stage s_tp2dp2_shared && four s_tp2dp2_shared "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 1 \
+    --grad-accum 2 --profile "${ST[@]}"
 stage t_tp2cp2 && four t_tp2cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
     "${TT[@]}"
 P=(--micro-batch 1 --grad-accum 8 --set student.parallel.pp=2)
