@@ -12,6 +12,7 @@
 # Layouts (all by default, in this order):
 #   fsdp4           the defaults: student FSDP over the four GPUs, teacher replicated; with the
 #                   one-GPU run of the same command first
+#   hsdp            the student in HSDP (2 replicas of FSDP over 2 GPUs), teacher replicated
 #   hetero          student TP2 x DP2 (FSDP), teacher TP2 x CP2 (each teacher rank pair reads
 #                   both data ranks' sequences)
 #   s_tp2dp2        the same student, the teacher replicated: the student's layout alone
@@ -32,6 +33,8 @@ ST=(--set student.parallel.tp=2)
 TT=(--set teachers.0.parallel.tp=2 --set teachers.0.parallel.cp=2)
 stage fsdp4 && four fsdp4 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
     --one-gpu-reference
+stage hsdp && four hsdp "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
+    --set student.parallel.dp_replicate=2 --set student.parallel.dp_shard=2
 stage hetero && four hetero "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
     "${ST[@]}" "${TT[@]}"
 stage s_tp2dp2 && four s_tp2dp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
