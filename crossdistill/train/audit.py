@@ -276,9 +276,10 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     if right >= NEAR_PAIR_RIGHT:
         rec["why"] = (
             f"near pair: the first-piece target is right at {right:.1%} of KD positions (Qwen3 "
-            "and Phi-4-mini for a Llama-3 student: 98-99%); there cross-tokenizer KD measured "
-            "within the noise of same-tokenizer KD (bench quality, H100, forward KL, top-64, "
-            "KD 0.5)"
+            "and Phi-4-mini for a Llama-3 student: 98-99%); there cross-tokenizer KD did what "
+            "same-tokenizer KD does (Qwen3 -> Llama-3, bench quality, H200, forward KL, top-64, "
+            "KD 0.5: -2.3% bits per byte against CE only, better on 5 of 5 seeds, 117% of the "
+            "same-tokenizer gain)"
         )
     elif far:
         rec["why"] = (
