@@ -15,6 +15,9 @@ emit there. This counts, on real text and real tokenizers, how often and why:
   student's first token (the student splits t's bytes otherwise in context);
 - `other`: the rest (both sides several tokens).
 
+It also counts the share of the student's positions that are KD positions at all (one per
+aligned chunk; a student position inside a chunk of several student tokens gets CE only).
+
     python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
         --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--json]
 
@@ -55,11 +58,12 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
     first = build_projection(tok_t, tok_s).first_piece.numpy()
     counts = dict.fromkeys(KINDS, 0)
-    label_bytes = target_bytes = 0
+    label_bytes = target_bytes = predicted = 0
     enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     enc_t = tok_t.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     for es, et in zip(enc_s, enc_t):
         ids_s, ids_t = np.asarray(es.ids), np.asarray(et.ids)
+        predicted += max(len(ids_s) - 1, 0)  # student positions that predict a next token
         chunks = align(ids_s, ids_t, bytes_s, bytes_t).chunks
         kinds = first_piece_kinds(ids_s, ids_t, chunks, first)
         for k, v in kinds.items():
@@ -74,6 +78,9 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     wrong = total - counts["right"]
     out["label_bytes_where_wrong"] = label_bytes / max(wrong, 1)
     out["target_bytes_where_wrong"] = target_bytes / max(wrong, 1)
+    # the student's predicting positions that are KD positions (one per aligned chunk): the
+    # rest sit inside chunks of several student tokens and get CE only
+    out["student_positions_with_kd"] = total / max(predicted, 1)
     return out
 
 
@@ -99,11 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print("| teacher | KD positions | right | student longer | student shorter | other |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| teacher | KD positions | right | student longer | student shorter | other "
+        "| student positions with KD |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for path, r in rows.items():
         cells = " | ".join(f"{r[k]:.1%}" for k in KINDS)
-        print(f"| {path} | {r['kd_positions']} | {cells} |")
+        print(f"| {path} | {r['kd_positions']} | {cells} | {r['student_positions_with_kd']:.1%} |")
     return 0
 
 
