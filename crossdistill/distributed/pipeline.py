@@ -54,12 +54,7 @@ from torch import Tensor, nn
 from crossdistill.distributed import cp as cpmod
 from crossdistill.distributed.parallelize import model_hidden
 from crossdistill.errors import UserError
-from crossdistill.losses.payload import (
-    pack_targets,
-    payload_nbytes,
-    payload_sizes,
-    unpack_targets,
-)
+from crossdistill.losses.payload import pack_targets, receive_like
 from crossdistill.losses.sharding import RowShard
 from crossdistill.losses.targets import TeacherTargets
 from crossdistill.models.attention import segments_of
@@ -483,14 +478,7 @@ class StudentPipeline:
 def _receive(tb: Any, like: TeacherTargets, group: Any, rank: int) -> TeacherTargets:
     """Targets of teacher batch `tb` sent by pipeline rank `rank` (`like`: targets of the
     same teacher computed here, for their top-k width, dtypes and temperature)."""
-    (m, n), k = payload_sizes(tb), like.topk_ids.shape[1]
-    buf = torch.empty(
-        payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
-    )
-    dist.recv(buf, group=group, group_src=rank)
-    got = unpack_targets(buf, m, k, n, "none", like.temperature)
-    got.topk_ids = got.topk_ids.to(like.topk_ids.dtype)
-    return got
+    return receive_like(tb, like, lambda buf: dist.recv(buf, group=group, group_src=rank))
 
 
 def _pair_group(mesh: Any, first: int, last: int) -> Any:

@@ -16,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from crossdistill.losses.payload import pack_targets, payload_nbytes, payload_sizes, unpack_targets
+from crossdistill.losses.payload import pack_targets, receive_like
 from crossdistill.losses.targets import TeacherTargets
 
 
@@ -59,11 +58,4 @@ def share_window_targets(
 def _broadcast_from(tb: Any, like: TeacherTargets, group: Any, src: int) -> TeacherTargets:
     """Targets of teacher batch `tb` broadcast by group rank `src`, sized from this rank's own
     copy of the batch (no exchange of sizes)."""
-    (m, n), k = payload_sizes(tb), like.topk_ids.shape[1]
-    buf = torch.empty(
-        payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
-    )
-    dist.broadcast(buf, group=group, group_src=src)
-    got = unpack_targets(buf, m, k, n, "none", like.temperature)
-    got.topk_ids = got.topk_ids.to(like.topk_ids.dtype)
-    return got
+    return receive_like(tb, like, lambda buf: dist.broadcast(buf, group=group, group_src=src))

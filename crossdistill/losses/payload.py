@@ -22,6 +22,7 @@ and 5 with int8 codes (the ids are sent whole); 32 bytes of id per micro-batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,3 +116,20 @@ def unpack_targets(
     if at != buf.numel():
         raise ValueError(f"payload holds {buf.numel()} bytes, its layout {at}")
     return TeacherTargets(ids, top, tail, next_lp, valid, temperature=temperature)
+
+
+def receive_like(
+    tb: Any, like: TeacherTargets, transfer: Callable[[Tensor], Any]
+) -> TeacherTargets:
+    """Targets of teacher batch `tb` that arrive whole (no quantisation) from another rank:
+    a buffer sized from this rank's own copy of the batch and `like` (targets of the same
+    teacher computed here: K, the id dtype and the temperature) is filled by `transfer(buf)`
+    (a receive or a broadcast) and read back."""
+    (m, n), k = payload_sizes(tb), like.topk_ids.shape[1]
+    buf = torch.empty(
+        payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
+    )
+    transfer(buf)
+    got = unpack_targets(buf, m, k, n, "none", like.temperature)
+    got.topk_ids = got.topk_ids.to(like.topk_ids.dtype)
+    return got
