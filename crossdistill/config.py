@@ -64,8 +64,9 @@ class ParallelConfig:
     dp_shard: int = -1  # FSDP2 sharding degree; -1: world / (dp_replicate * tp * cp)
     tp: int = 1  # tensor parallel
     cp: int = 1  # context (sequence) parallel
-    # pipeline ranks, each holding pp_stages_per_rank stages of the student's blocks (the
-    # student only; combines with dp_replicate, dp_shard, tp and cp)
+    # pipeline ranks, each holding pp_stages_per_rank stages of the student's blocks (combines
+    # with dp_replicate, dp_shard, tp and cp), or one stage of a separate teacher's (forward
+    # only; with dp_replicate and dp_shard)
     pp: int = 1
     # every schedule needs train.grad_accum >= pp micro-batches per data rank; Interleaved1F1B
     # also needs them to split into grad_accum // pp equal rounds (a multiple of pp does)

@@ -16,6 +16,8 @@ process is the one-rank layout: the same code, with no mesh.
   ranks computes each micro-batch of the window on one of them and broadcasts its targets.
 - `streams.py`: separate teachers: the job split into roles (each its own process group), the
   job-wide link between them, and the targets streamed from a teacher's ranks to the student's.
+- `teacher_pipeline.py`: a separate teacher's blocks in forward-only pipeline stages over its
+  ranks (`teachers.N.parallel.pp`); its last stage computes the targets the stream sends.
 
 Imports `errors`, `config`, `models` and `losses`; never `data` or `train`."""
 

@@ -183,11 +183,12 @@ class Placement:
         chunk_size: int,
         fused: bool | None = None,
         cached: Any = None,
-    ) -> TeacherTargets:
+    ) -> TeacherTargets | None:
         """Teacher `k`'s targets (top-k at the KD positions, next-token log-probs everywhere)
         for this rank's micro-batch `tb`, in `tb`'s padded coordinates. `fused`: as for
         `losses.teacher_targets`; `cached`: the targets the loader read from the teacher's
-        cache (`data.batch.CachedTargets`), used as they are."""
+        cache (`data.batch.CachedTargets`), used as they are. None on a teacher pipeline's
+        stages before the last (a separate teacher's, which its last stage sends)."""
         if slot.stream is not None:
             return slot.stream.receive(tb)
         if slot.teacher is None:
@@ -213,11 +214,15 @@ class Placement:
         rows = self._real_rows(slot, tb)
         if rows is None:
             hidden = self._hidden(slot, ids, pos, segments_of(tb, self.device))
+            if hidden is None:
+                return None  # a teacher pipeline's earlier stage: the last computes them
             return self._targets(slot, k, hidden, kd_rows, labels, chunk_size, fused)
         # the non-pad tokens only: `[1, N]`, their segments from the collator
         segments = (_to(tb.real_cu_seqlens, self.device), tb.real_max_seqlen)
         flat = [x.view(1, -1).index_select(1, rows) for x in (ids, pos)]
         hidden = self._hidden(slot, *flat, segments)
+        if hidden is None:
+            return None
         where = torch.full_like(labels, -1).index_copy_(
             0, rows, torch.arange(rows.numel(), device=self.device)
         )  # padded position -> position among the non-pad tokens
@@ -246,11 +251,15 @@ class Placement:
             return None
         return _to(index, self.device)
 
-    def _hidden(self, slot: TeacherSlot, ids: Tensor, pos: Tensor, segments) -> Tensor:
+    def _hidden(self, slot: TeacherSlot, ids: Tensor, pos: Tensor, segments) -> Tensor | None:
         """`[rows, H_t]` final hidden states of a teacher (rows of the given `[B, T]` inputs,
         flattened); under context parallelism the sequence is split over the group and the
-        hidden states gathered back."""
+        hidden states gathered back. A teacher in pipeline stages (`teacher_pipeline.py`) runs
+        this rank's stage: None before the last."""
         model = slot.teacher.model
+        stages = getattr(model, "teacher_stages", None)
+        if stages is not None:
+            return stages.hidden(ids, pos, segments)
         state = getattr(model, "cp_state", None)
         if state is not None:
             local_pos = state.begin(pos)

@@ -16,6 +16,7 @@ from crossdistill.distributed.loading import build_parallel_model
 from crossdistill.distributed.parallelize import fsdp_mesh
 from crossdistill.distributed.pipeline import StudentPipeline, check_micro_batches
 from crossdistill.distributed.runtime import Placed, Placement, TeacherPadding, mesh_for
+from crossdistill.distributed.teacher_pipeline import TeacherStages, check_teacher_stages
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
 from crossdistill.models.loading import weight_bytes
@@ -73,14 +74,9 @@ def plan_layouts(
     teachers = []
     for i, (tcfg, hf) in enumerate(zip(cfg.teachers, hf_t)):
         ranks = tcfg.ranks if separate[i] else student_ranks
+        check_teacher_stages(i, parallel_config(tcfg), separate[i], ranks)
         pcfg = teacher_parallel(parallel_config(tcfg), ranks, hf, tcfg.dtype, device_bytes)
         layout = ParallelLayout.from_config(pcfg, ranks, f"teachers.{i}")
-        if layout.pp > 1:
-            raise UserError(
-                f"teachers.{i}.parallel.pp = {layout.pp}: pipeline stages are for the student "
-                "(a frozen teacher runs forward only); lay the teacher out with dp_shard, tp "
-                "or cp, or give it ranks of its own (teachers.N.placement: separate)"
-            )
         if not parallel_config(tcfg).reshard_after_forward:
             raise UserError(
                 f"teachers.{i}.parallel.reshard_after_forward = false keeps blocks gathered for "
@@ -144,9 +140,10 @@ def build_placement(
 
 
 def teacher_model(cfg: Config, k: int, placed: Placed, device: torch.device) -> nn.Module:
-    """Teacher `k` in its layout, frozen."""
+    """Teacher `k` in its layout, frozen; in pipeline stages (a separate teacher's `pp` > 1),
+    this rank's stage, which `teacher_stages` runs (`distributed/teacher_pipeline.py`)."""
     t = cfg.teachers[k]
-    return build_parallel_model(
+    model = build_parallel_model(
         t,
         placed.layout,
         placed.mesh,
@@ -154,7 +151,13 @@ def teacher_model(cfg: Config, k: int, placed: Placed, device: torch.device) -> 
         trainable=False,
         seed=cfg.train.seed + 1,
         compile_blocks=bool(getattr(t, "compile", False)),
+        stage=placed.rank("pp"),
     )
+    if placed.layout.pp > 1:
+        model.teacher_stages = TeacherStages(
+            model, placed.mesh, device, cfg.train.teacher_timeout_s
+        )
+    return model
 
 
 def parallel_models(

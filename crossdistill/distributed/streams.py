@@ -14,11 +14,12 @@ through host memory over gloo.
 Who talks to whom. A teacher's data-parallel group j (its ranks that run one forward together)
 serves the student's data ranks d with d mod dp_t = j: it reads the same global batches as they
 do (its own loaders, the same config, the same order), computes each micro-batch's targets and
-its group's first rank sends them to every student rank of data rank d that computes the loss
-(tensor- and context-parallel ranks of one data rank each take a copy; a pipeline-parallel
-student's last stage alone: the earlier stages neither wait for targets nor receive any,
-`distributed/pipeline.py`). A teacher runs ahead of the student by at
-most `train.teacher_prefetch` steps: before it computes step n it waits until the student has
+its group's first rank (in its last stage, for a teacher laid out as a pipeline:
+`distributed/teacher_pipeline.py`) sends them to every student rank of data rank d that
+computes the loss (tensor- and context-parallel ranks of one data rank each take a copy; a
+pipeline-parallel student's last stage alone: the earlier stages neither wait for targets nor
+receive any, `distributed/pipeline.py`). A teacher runs ahead of the student by at most
+`train.teacher_prefetch` steps: before it computes step n it waits until the student has
 received step n − prefetch.
 
 Each payload (`losses.payload`) follows the batch's id (a sequence number, a checksum of the
@@ -295,12 +296,13 @@ def ipc_peers(control: Any, rank: int, world: int, device: torch.device) -> froz
     return frozenset(p for p in range(world) if opened[p] and matrix[p][rank])
 
 
-def wait(work: Any, deadline: float, who: str) -> None:
+def wait(work: Any, deadline: float, who: str, gloo: bool = False) -> None:
     """Wait for `work` until `deadline`; a peer that died or stalls is one `UserError`. NCCL
-    work is polled (its `wait` only orders streams); gloo work completes inside its own `wait`,
-    which takes the time left."""
+    work is polled (its `wait` only orders streams); gloo work (`_GlooWork`, or any with `gloo`)
+    completes inside its own `wait`, which takes the time left."""
     if isinstance(work, _GlooWork):
-        work = work.work
+        work, gloo = work.work, True
+    if gloo:
         left = max(deadline - time.monotonic(), 0.001)
     else:
         while not work.is_completed():
@@ -350,9 +352,12 @@ def student_ranks_of(data_rank: int, student: ParallelLayout) -> list[int]:
 
 
 def teacher_source(data_rank: int, teacher: ParallelLayout, start: int) -> int:
-    """Global rank of the teacher process that sends data rank `data_rank`'s targets."""
+    """Global rank of the teacher process that sends data rank `data_rank`'s targets: the first
+    of its data-parallel group's, in the last pipeline stage where the teacher is a pipeline
+    (`distributed/teacher_pipeline.py`; `pp` is the outermost axis)."""
     width = teacher.cp * teacher.tp
-    return start + (data_rank % teacher.dp) * width
+    last_stage = (teacher.pp - 1) * (teacher.world_size // teacher.pp)
+    return start + last_stage + (data_rank % teacher.dp) * width
 
 
 @dataclass

@@ -7,7 +7,9 @@ and one pair of loaders per student data rank its data-parallel group serves. It
 the loop the student walks, step for step: every micro-batch of a step's window, then at every
 validation the held-out batches, each turned into targets and sent. The student tells it the
 step it starts at (0, or the checkpoint it resumed), and the loaders resume from that
-checkpoint's saved states, so both sides read the same batches in the same order.
+checkpoint's saved states, so both sides read the same batches in the same order. A teacher
+laid out as a pipeline (`teachers.N.parallel.pp`, `distributed/teacher_pipeline.py`) walks it
+on every stage; its last stage's processes send the targets.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def serve_teacher(
     served = [d for d in range(student.dp) if d % placed.layout.dp == place.data_rank]
     loaders = {d: run.loaders(cfg, d, student.dp) for d in served}
     slot = TeacherSlot(Teacher(teacher_model(cfg, k, placed, env.device), tcfg.name), tcfg, None)
-    leader = placed.rank("cp_tp") == 0  # one process of the group sends
+    # one process of the group sends: in the last stage of a teacher's pipeline
+    leader = placed.rank("cp_tp") == 0 and placed.rank("pp") == placed.layout.pp - 1
     sender = TargetSender(
         env.link,
         tcfg.name,
@@ -65,7 +68,7 @@ def serve_teacher(
     def serve(d: int, batch) -> None:
         tb = batch.teachers[k]
         targets = place.teacher_targets(slot, k, tb, chunk, fused, cached_of(batch, k))
-        if leader:
+        if leader:  # the stages before the last have none: they sent their hidden states
             sender.send(d, tb, targets)
 
     batches = {d: iter(loaders[d][0]) for d in served}
@@ -81,4 +84,7 @@ def serve_teacher(
                 for batch in loaders[d][1].take(cfg.train.eval_batches):
                     serve(d, batch)
             sender.step_done()
+    stages = getattr(slot.teacher.model, "teacher_stages", None)
+    if stages is not None:
+        stages.flush()
     sender.flush()
