@@ -53,6 +53,7 @@ from torch import Tensor, nn
 
 from crossdistill.distributed import cp as cpmod
 from crossdistill.distributed.parallelize import model_hidden
+from crossdistill.distributed.share import share_window_targets
 from crossdistill.errors import UserError
 from crossdistill.losses.payload import pack_targets, receive_like
 from crossdistill.losses.sharding import RowShard
@@ -350,20 +351,42 @@ class StudentPipeline:
     # ------------------------------------------------------------------ teacher targets
 
     def spread_targets(
-        self, batches: list, live: list[bool], compute: Callable[[int, int], TeacherTargets]
+        self,
+        batches: list,
+        live: list[bool],
+        compute: Callable[[int, int], TeacherTargets],
+        stage_group: tuple[Any, int, int] | None = None,
+        whole: list[bool] | None = None,
     ) -> list[list[TeacherTargets]] | None:
         """Every teacher's targets of every micro-batch on the last rank (None elsewhere).
         `batches[i]`: micro-batch i's teacher batches (one per teacher); `live[k]`: teacher k
         runs here (else its targets come with the batch or from a separate teacher's stream,
         and only the last rank reads them);
         `compute(i, k)`: teacher k's targets of micro-batch i on this rank (collective where the
-        teacher is laid out across ranks: every pipeline rank calls it equally often)."""
+        teacher is laid out across ranks: every pipeline rank calls it equally often).
+        `stage_group`: (group, rank, size) of the ranks of this stage that read the same
+        micro-batches (a tensor- or context-parallel stage); they share the work of the live
+        teachers that run whole on each of them (`whole[k]`, `share.py`)."""
         n, teachers = len(batches), len(live)
         split = n % self.pp == 0  # the ranks share the teacher work
         mine = [i for i in range(n) if not split or i % self.pp == self.rank]
         out: list[list[Any]] = [[None] * teachers for _ in range(n)]
-        for k in range(teachers):
-            for i in mine if live[k] else (range(n) if self.last else ()):
+        if stage_group is None:
+            for k in (k for k in range(teachers) if live[k]):
+                for i in mine:
+                    out[i][k] = compute(i, k)
+        else:
+            shared = [live[k] and bool(whole and whole[k]) for k in range(teachers)]
+            got = share_window_targets(
+                [batches[i] for i in mine],
+                shared,
+                lambda j, k: compute(mine[j], k) if live[k] else None,
+                *stage_group,
+            )
+            for j, i in enumerate(mine):
+                out[i] = got[j]
+        for k in (k for k in range(teachers) if not live[k] and self.last):
+            for i in range(n):
                 out[i][k] = compute(i, k)
         if not split:
             return out if self.last else None

@@ -163,16 +163,16 @@ class Placement:
         Pipeline stages share the work of the teachers that run on them, and only the last stage
         reads the targets of those that do not (cached, or streamed from a separate teacher's
         ranks): None on the stages before it."""
+        whole = [  # runs whole on this rank, on the batch the group's other ranks read too
+            s.teacher is not None and s.stream is None and self.sources[k][0] is None
+            for k, s in enumerate(slots)
+        ]
         if self.pipeline is None:
             if self.batch_group is None:
                 return [[compute(i, k) for k in range(len(slots))] for i in range(len(batches))]
-            whole = [  # runs whole on this rank, on the batch the group's other ranks read too
-                s.teacher is not None and s.stream is None and self.sources[k][0] is None
-                for k, s in enumerate(slots)
-            ]
             return share_window_targets(batches, whole, compute, *self.batch_group)
         live = [s.teacher is not None for s in slots]
-        return self.pipeline.spread_targets(batches, live, compute)
+        return self.pipeline.spread_targets(batches, live, compute, self.batch_group, whole)
 
     @torch.no_grad()
     def teacher_targets(
