@@ -210,15 +210,21 @@ def _close(a: dict, b: dict, key: str) -> None:
 def test_pipeline_train_run_validates_checkpoints_and_exports(setup, two):
     """pp2 `train()`: the one-process run's losses, held-out bits per byte and a Hugging Face
     folder that loads and gives the one-process run's weights."""
+    assert_run_matches_one_process(setup[0], "pp_full")
+
+
+def assert_run_matches_one_process(root: Path, name: str) -> None:
+    """The `train()` run in `root / name` against the one-process run `root / "one_full"`:
+    losses and held-out bits per byte step by step, a step-2 checkpoint, and an exported folder
+    that loads and holds the same weights."""
     from transformers import AutoModelForCausalLM
 
-    root = setup[0]
-    pp, one = _run(root / "pp_full"), _run(root / "one_full")
-    assert sorted(s for s in pp if "loss" in pp[s]) == [1, 2, 3, 4]
-    _close(pp, one, "loss")
-    _close(pp, one, "val/bpb/student")
-    assert (root / "pp_full" / "checkpoints" / "step_000002" / "dcp" / ".metadata").is_file()
-    a = AutoModelForCausalLM.from_pretrained(root / "pp_full" / "final").state_dict()
+    got, one = _run(root / name), _run(root / "one_full")
+    assert sorted(s for s in got if "loss" in got[s]) == [1, 2, 3, 4]
+    _close(got, one, "loss")
+    _close(got, one, "val/bpb/student")
+    assert (root / name / "checkpoints" / "step_000002" / "dcp" / ".metadata").is_file()
+    a = AutoModelForCausalLM.from_pretrained(root / name / "final").state_dict()
     b = AutoModelForCausalLM.from_pretrained(root / "one_full" / "final").state_dict()
     assert a.keys() == b.keys()
     for key in b:
