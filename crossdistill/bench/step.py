@@ -126,8 +126,16 @@ def add_parser(subparsers) -> None:
         "--teacher-placement",
         choices=["colocated", "separate"],
         default="colocated",
-        help="separate: each teacher on a process of its own, under torchrun --nproc_per_node "
-        "1 + teachers (the student's time spent waiting for targets is reported)",
+        help="separate: each teacher on processes of its own, under torchrun --nproc_per_node "
+        "1 + teachers x --teacher-ranks (the student's time spent waiting for targets is "
+        "reported)",
+    )
+    p.add_argument(
+        "--teacher-ranks",
+        type=int,
+        default=1,
+        help="with --teacher-placement separate: processes per teacher, laid out by "
+        "--set teachers.N.parallel... (e.g. teachers.0.parallel.pp=2: a two-stage pipeline)",
     )
     p.add_argument("--device", default="cuda")
     p.add_argument(
@@ -204,6 +212,11 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("give one --teacher-tokenizer per --teacher")
     if args.grad_accum < 1:
         raise UserError(f"--grad-accum must be >= 1, got {args.grad_accum}")
+    if args.teacher_ranks < 1 or (args.teacher_ranks > 1 and args.teacher_placement != "separate"):
+        raise UserError(
+            f"--teacher-ranks {args.teacher_ranks}: give 1 or more, and more than 1 only with "
+            "--teacher-placement separate (a colocated teacher shares the student's processes)"
+        )
     if args.teacher_placement == "separate":
         if args.teacher_cache or not args.teacher:
             raise UserError("--teacher-placement separate needs --teacher and no --teacher-cache")

@@ -103,6 +103,7 @@ def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
             loss=args.loss,
             top_k=args.top_k,
             placement=getattr(args, "teacher_placement", "colocated"),
+            ranks=getattr(args, "teacher_ranks", 1),
             **model,
         )
         for i, (arch, tok) in enumerate(zip(args.teacher, args.teacher_tokenizer))

@@ -1,10 +1,11 @@
 """`crossdistill bench step` under torchrun: the job's numbers from every process's, the same
 command timed in one process first (`--one-gpu-reference`), and `--teacher-placement separate`.
 
-Separate: each teacher on a process of its own (`teachers.N.placement: separate`), one process
-for the student and one per teacher. The student's process times its steps as `bench step`
-does and adds the share of that time it waited for targets; each teacher's process serves
-exactly the batches those steps read, and reports nothing."""
+Separate: each teacher on processes of its own (`teachers.N.placement: separate`), one process
+for the student and `--teacher-ranks` per teacher (laid out by `--set teachers.N.parallel...`).
+The student's process times its steps as `bench step` does and adds the share of that time it
+waited for targets; each teacher's processes serve exactly the batches those steps read, and
+report nothing."""
 
 from __future__ import annotations
 
@@ -26,15 +27,16 @@ def measure_separate(args: Any, measure: Any) -> dict | None:
     from crossdistill.distributed.layout import job_size
     from crossdistill.distributed.streams import init_roles
 
-    needed = 1 + len(args.teacher)
+    needed = 1 + args.teacher_ranks * len(args.teacher)
     world = job_size()
     if world != needed:
         raise UserError(
-            f"--teacher-placement separate runs the student and each of the {len(args.teacher)} "
-            f"teacher(s) in a process of its own: start it with torchrun --nproc_per_node "
-            f"{needed} -m crossdistill bench step ... (this job has {world})"
+            f"--teacher-placement separate runs the student in a process and each of the "
+            f"{len(args.teacher)} teacher(s) in {args.teacher_ranks} of its own: start it with "
+            f"torchrun --nproc_per_node {needed} -m crossdistill bench step ... (this job has "
+            f"{world})"
         )
-    env = init_roles(args.device, (1,) * len(args.teacher))
+    env = init_roles(args.device, (args.teacher_ranks,) * len(args.teacher))
     try:
         if env.role > 0:
             _serve(args, env)

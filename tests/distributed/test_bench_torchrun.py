@@ -49,3 +49,37 @@ def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir, layout):
     assert result["per_gpu_vs_one_gpu"] == pytest.approx(
         result["per_gpu_tokens_per_s"] / result["one_gpu_tokens_per_s"]
     )
+
+
+def test_bench_step_times_a_separate_teacher_in_two_pipeline_stages(tokenizer_dir):
+    """The student on one process, the teacher on two of its own as a two-stage pipeline
+    (`--teacher-ranks 2`, `teachers.0.parallel.pp=2`): one report, from the student's."""
+    tok = {n: str(tokenizer_dir(n)) for n in ("llama3", "qwen3")}
+    command = [
+        "bench", "step", "--student-tokenizer", tok["llama3"], "--teacher", "qwen3-4b",
+        "--teacher-tokenizer", tok["qwen3"], "--tiny", "--device", "cpu", "--seq-len", "128",
+        "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json",
+        "--teacher-placement", "separate", "--teacher-ranks", "2",
+        "--set", "teachers.0.parallel.pp=2",
+    ]  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3"]
+    launch += ["--master_port", str(free_port()), "-m", "crossdistill", *command]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    assert len(lines) == 1
+    result = json.loads(lines[0])
+    assert result["processes"] == 3 and result["tokens_per_s"] > 0
+    assert 0 <= result["target_wait_fraction"] < 1
+
+
+def test_bench_step_refuses_teacher_ranks_without_a_separate_teacher(tokenizer_dir):
+    command = [
+        sys.executable, "-m", "crossdistill", "bench", "step", "--tiny", "--device", "cpu",
+        "--student-tokenizer", str(tokenizer_dir("llama3")), "--teacher-ranks", "2",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "--teacher-ranks 2" in done.stderr and "--teacher-placement separate" in done.stderr
+    assert "Traceback" not in done.stderr
