@@ -22,13 +22,19 @@
 #   t_tp2cp2        student FSDP over four, the teacher TP2 x CP2: the teacher's layout alone
 #   pp2dp2          the student in two pipeline stages, each FSDP over two GPUs, 8 micro-batches
 #   pp2tp2          two pipeline stages, each tensor parallel over two GPUs
+#   separate        the student on GPU 0, the teacher on GPU 1
+#   separate_pp2    the student on GPU 0, the teacher as a two-stage pipeline on GPUs 1 and 2
 source "$(dirname "$0")/step_common.sh"
-four() {  # name, then bench_step.py arguments: torchrun over the four GPUs
-    local name=$1; shift
-    python3 -m torch.distributed.run --nproc_per_node 4 benchmarks/bench_step.py "$@" \
+procs() {  # processes, name, then the program and its arguments: torchrun over that many GPUs
+    local n=$1 name=$2; shift 2
+    python3 -m torch.distributed.run --nproc_per_node "$n" "$@" \
         | tail -1 > "$OUT/step-4gpu-$name-$stamp.json"
     echo "$name: $(head -c 300 "$OUT/step-4gpu-$name-$stamp.json")"
 }
+four() { local name=$1; shift; procs 4 "$name" benchmarks/bench_step.py "$@"; }
+# separate teachers: the package's command (it splits the job into the student's and the
+# teacher's processes)
+separate() { local n=$1 name=$2; shift 2; procs "$n" "$name" -m crossdistill bench step "$@"; }
 ST=(--set student.parallel.tp=2)
 TT=(--set teachers.0.parallel.tp=2 --set teachers.0.parallel.cp=2)
 stage fsdp4 && four fsdp4 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
@@ -46,4 +52,8 @@ stage t_tp2cp2 && four t_tp2cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --
 P=(--micro-batch 1 --grad-accum 8 --set student.parallel.pp=2)
 stage pp2dp2 && four pp2dp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}"
 stage pp2tp2 && four pp2tp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${P[@]}" "${ST[@]}"
+SEP=(--micro-batch 2 --teacher-placement separate)
+stage separate && separate 2 separate "${S[@]}" "${Q[@]}" "${C[@]}" "${SEP[@]}"
+stage separate_pp2 && separate 3 separate_pp2 "${S[@]}" "${Q[@]}" "${C[@]}" "${SEP[@]}" \
+    --teacher-ranks 2 --set teachers.0.parallel.pp=2
 exit 0
