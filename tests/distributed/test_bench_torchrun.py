@@ -23,24 +23,29 @@ LAYOUTS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir, layout):
-    settings, described = LAYOUTS[layout]
+def _bench_job(tokenizer_dir, processes: int, options: list[str]) -> dict:
+    """`crossdistill bench step` (tiny models, Qwen3 teacher -> Llama-3 student) under torchrun
+    on `processes` gloo processes with `options`; the job's one report."""
     tok = {n: str(tokenizer_dir(n)) for n in ("llama3", "qwen3")}
     command = [
         "bench", "step", "--student-tokenizer", tok["llama3"], "--teacher", "qwen3-4b",
         "--teacher-tokenizer", tok["qwen3"], "--tiny", "--device", "cpu", "--seq-len", "128",
-        "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json",
-        *settings, "--one-gpu-reference",
+        "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json", *options,
     ]  # fmt: skip
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     launch += ["--master_port", str(free_port()), "-m", "crossdistill", *command]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
     assert len(lines) == 1  # one report for the job
-    result = json.loads(lines[0])
+    return json.loads(lines[0])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir, layout):
+    settings, described = LAYOUTS[layout]
+    result = _bench_job(tokenizer_dir, 2, [*settings, "--one-gpu-reference"])
     assert result["processes"] == 2 and len(result["peak_gib_per_rank"]) == 2
     assert all(x in result["layout"] for x in described)
     # one data rank (tp2, pp2): the job's rate is that rank's, per process half of it
@@ -54,22 +59,8 @@ def test_bench_step_reports_the_job_beside_one_process(tokenizer_dir, layout):
 def test_bench_step_times_a_separate_teacher_in_two_pipeline_stages(tokenizer_dir):
     """The student on one process, the teacher on two of its own as a two-stage pipeline
     (`--teacher-ranks 2`, `teachers.0.parallel.pp=2`): one report, from the student's."""
-    tok = {n: str(tokenizer_dir(n)) for n in ("llama3", "qwen3")}
-    command = [
-        "bench", "step", "--student-tokenizer", tok["llama3"], "--teacher", "qwen3-4b",
-        "--teacher-tokenizer", tok["qwen3"], "--tiny", "--device", "cpu", "--seq-len", "128",
-        "--micro-batch", "1", "--steps", "2", "--warmup", "1", "--json",
-        "--teacher-placement", "separate", "--teacher-ranks", "2",
-        "--set", "teachers.0.parallel.pp=2",
-    ]  # fmt: skip
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3"]
-    launch += ["--master_port", str(free_port()), "-m", "crossdistill", *command]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
-    assert len(lines) == 1
-    result = json.loads(lines[0])
+    separate = ["--teacher-placement", "separate", "--teacher-ranks", "2"]
+    result = _bench_job(tokenizer_dir, 3, [*separate, "--set", "teachers.0.parallel.pp=2"])
     assert result["processes"] == 3 and result["tokens_per_s"] > 0
     assert 0 <= result["target_wait_fraction"] < 1
 
