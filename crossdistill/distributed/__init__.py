@@ -1,8 +1,9 @@
 """Scale-out with `torchrun`: one layout object per model, and functions that apply it. One
 process is the one-rank layout: the same code, with no mesh.
 
-- `layout.py`: `ParallelLayout` (dp_replicate x dp_shard x cp x tp, checked against the world
-  size, the model's heads and the sequence length) builds one named mesh; `init_distributed`.
+- `layout.py`: `ParallelLayout` (pp x dp_replicate x dp_shard x cp x tp, checked against the
+  world size, the model's heads and the sequence length) builds one named mesh;
+  `init_distributed`.
 - `parallelize.py`: `apply_tp`, `apply_cp`, `apply_fsdp`, `apply_activation_checkpointing`,
   `apply_compile`, and `parallelize_model`, which calls them in order; TP plans per model family
   in `tp_plans.py`; context-parallel attention in `cp.py`.
