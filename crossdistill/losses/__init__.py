@@ -25,7 +25,7 @@ from crossdistill.losses.divergences import (
 )
 from crossdistill.losses.objective import student_loss
 from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
-from crossdistill.losses.projection import Buckets, VocabProjection, project_topk
+from crossdistill.losses.projection import Buckets, PrefixGroups, VocabProjection, project_topk
 from crossdistill.losses.targets import (
     TeacherTargets,
     kd_positions,
@@ -36,6 +36,7 @@ from crossdistill.losses.targets import (
 __all__ = [
     "LOSSES",
     "Buckets",
+    "PrefixGroups",
     "KDTerm",
     "TeacherTargets",
     "VocabProjection",

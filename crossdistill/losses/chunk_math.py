@@ -106,6 +106,34 @@ def part_step(
     return terms.sum(1), torch.where(live, a, 0.0), corr
 
 
+def group_sums(
+    e: Tensor, part: Part, sl: slice, ids: Tensor, zmax: Tensor, tau: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A grouped part's buckets on a chunk: the e-mass of every event (`[c, G + 1]`, the last
+    column the tokens of no event), the stand-in logits `τ·log E_b + max` at the buckets that make
+    `part_step` read `log P_b = log E_b − log S`, the buckets' e-mass and the tail's."""
+    index = part.groups.expand(e.shape[0], -1)
+    width = part.num_events + 1
+    mass = torch.zeros(e.shape[0], width, dtype=e.dtype, device=e.device)
+    mass.scatter_add_(1, index, e)
+    valid = None if part.valid is None else part.valid[sl]
+    e_ids, s_tail = _tail_mass(mass, ids, valid)
+    s_tail = finish_tail(part, sl, ids, s_tail, width)
+    tiny = torch.finfo(e.dtype).tiny
+    z_sel = tau * e_ids.clamp(min=tiny).log() + zmax.unsqueeze(1)
+    return z_sel, e_ids, s_tail, index
+
+
+def group_coefficients(
+    corr: Tensor, e_ids: Tensor, ids: Tensor, index: Tensor, width: int
+) -> Tensor:
+    """`part_step`'s corrections of a grouped part as a coefficient of every token's e `[c, V]`:
+    a bucket's correction is shared by its tokens in proportion to their e (`corr · e_j / E_b`)."""
+    per_mass = torch.where(e_ids > 0, corr / torch.where(e_ids > 0, e_ids, 1.0), 0.0)
+    table = torch.zeros(corr.shape[0], width, dtype=corr.dtype, device=corr.device)
+    return table.scatter_add_(1, ids, per_mass).gather(1, index)
+
+
 def weighted_sum(rows: Tensor, weight: Tensor) -> Tensor:
     """Σ rows · weight over the rows of nonzero weight: a row of weight 0 (no KD position)
     adds exactly 0, whatever its value."""
@@ -115,7 +143,10 @@ def weighted_sum(rows: Tensor, weight: Tensor) -> Tensor:
 def select(
     z: Tensor, part: Part, sl: slice, shard: VocabShard | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Logits at the part's buckets, or the student's own top-k (skipping `exclude`)."""
+    """Logits at the part's buckets, or the student's own top-k (skipping `exclude`). Buckets of
+    token groups have no single logit: None, and `group_sums` gives their mass."""
+    if part.groups is not None:
+        return None, part.ids[sl]
     if shard is not None:
         return _select_sharded(z, part, sl, shard)
     if part.ids is not None:
@@ -163,12 +194,23 @@ def chunk_step(
         lse_u = zmax / tau + s.log()
         row_coef = torch.zeros_like(s)
         fixes: list[tuple[Tensor, Tensor]] = []
+        dense = None  # [c, V] coefficients of e from grouped parts
         for ti, term in enumerate(plan.terms):
             if term.temperature != tau:
                 continue
             weight = term.row_weight[sl]
             for part, (z_sel, ids) in zip(term.parts, picked[ti]):
                 e_ids = s_tail = None
+                if part.groups is not None:
+                    z_sel, e_ids, s_tail, index = group_sums(e, part, sl, ids, zmax, tau)
+                    rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
+                    term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
+                    loss = loss + weighted_sum(rows, weight)
+                    row_coef += a
+                    if want_grad:
+                        add = group_coefficients(corr, e_ids, ids, index, part.num_events + 1)
+                        dense = add if dense is None else dense.add_(add)
+                    continue
                 if part.logq_tail is not None:
                     e_ids, s_tail = _tail_mass(
                         e, ids, None if part.valid is None else part.valid[sl], shard
@@ -185,12 +227,13 @@ def chunk_step(
             row_coef += label_coef / s
             fixes.append((labels0, -label_coef.unsqueeze(1)))
         if want_grad:
+            factor = row_coef.unsqueeze(1) if dense is None else dense.add_(row_coef.unsqueeze(1))
             if out is None:
-                out = e.mul_(row_coef.unsqueeze(1))
+                out = e.mul_(factor)
             elif last:
-                out = e.mul_(row_coef.unsqueeze(1)).add_(out)
+                out = e.mul_(factor).add_(out)
             else:
-                out.addcmul_(e, row_coef.unsqueeze(1))
+                out.addcmul_(e, factor)
             for ids, corr in fixes:
                 if shard is None:
                     out.scatter_add_(1, ids, corr)

@@ -88,9 +88,15 @@ def student_loss(
         ce_denominator = ce_count(labels)
     acc = accumulate_dtype(compute_dtype(hidden, lm_head_s))
     terms = list(kd_terms)
+    grouped = any(t.projection.groups is not None for t in terms)
     if vocab is not None or rows is not None:
         if backend != "chunked":
             raise UserError("a student split over ranks needs the chunked loss backend")
+        if grouped and vocab is not None:
+            raise UserError(
+                "the prefix target sums the student's probabilities over whole token groups and "
+                "needs its whole vocabulary on each rank: use another target with student.parallel.tp > 1"
+            )
         return sharded_student_loss(
             hidden, lm_head_s, labels, terms, kd_ratio, ce_denominator, chunk_size, vocab, rows
         )
@@ -104,6 +110,8 @@ def student_loss(
         return loss, loss_metrics(plan, loss, term_sums, logp_label, argmax)
     if fused is None:
         fused = hidden.is_cuda and fused_available()
+    if grouped:  # token-group buckets: the PyTorch pass (the kernels take single-token buckets)
+        fused = False
     if fused and not any(t.loss in SIGN_LOSSES for t in terms):
         fused = "low"  # logits may stay in the matmul dtype (see SIGN_LOSSES)
     extra = torch.zeros((), dtype=acc, device=hidden.device)

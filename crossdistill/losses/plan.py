@@ -152,7 +152,9 @@ class Part:
 
     Buckets are `ids [N, B]` (or, with `ids=None`, the student's own top-B tokens, skipping
     `exclude [V_s]`) with teacher log-probs `logq [N, B]` and, when `logq_tail` is set, one tail
-    bucket for all other tokens."""
+    bucket for all other tokens. With `groups [V_s]` (the byte-prefix target) the ids are events
+    and a bucket holds every student token j with `groups[j]` equal to its id; `groups[j] =
+    num_events` puts token j in the tail."""
 
     divergence: str
     logq: Tensor
@@ -161,6 +163,8 @@ class Part:
     logq_tail: Tensor | None = None
     exclude: Tensor | None = None
     params: dict[str, float] = field(default_factory=dict)
+    groups: Tensor | None = None
+    num_events: int = 0
 
 
 @dataclass
@@ -254,10 +258,16 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         rest_t = torch.where(exact_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
         rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=proj.common_student())
         return [common, rest]
+    params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
+    if proj.groups is not None:  # the byte-prefix target: buckets are events, groups of tokens
+        g = proj.groups
+        b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, g.teacher_event)
+        ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
+        part = Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)
+        return [dataclasses.replace(part, groups=g.student_event, num_events=g.num_events)]
     cont = continuation(term, labels_s)
     b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
     ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
-    params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
     return [Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)]
 
 

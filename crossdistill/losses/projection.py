@@ -7,6 +7,11 @@ projection has P = 1; a teacher id without any student piece (−1) sends its pr
 
 `project_topk` turns `[M, K]` teacher top-k log-probs into `[M, B]` student buckets (B = K·P),
 merging teacher ids that land on the same student id, plus the tail `[M]`.
+
+`PrefixGroups` is the byte-prefix target's view instead: every student token belongs to the
+teacher token its bytes start with (its first teacher piece), so a teacher token is an event,
+"the text goes on with these bytes", that a group of student tokens shares. A bucket is then a
+group of student tokens; the student's probability of it is the group's total.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ class VocabProjection:
     weights: Tensor
     num_student: int
     exact: Tensor | None = None
+    groups: PrefixGroups | None = None  # the byte-prefix target's groups (`teachers.N.target`)
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
@@ -97,8 +103,52 @@ class VocabProjection:
 
     def to(self, device: torch.device | str) -> VocabProjection:
         exact = None if self.exact is None else self.exact.to(device)
+        groups = None if self.groups is None else self.groups.to(device)
         return VocabProjection(
-            self.pieces.to(device), self.weights.to(device), self.num_student, exact
+            self.pieces.to(device), self.weights.to(device), self.num_student, exact, groups
+        )
+
+
+@dataclass
+class PrefixGroups:
+    """Student and teacher tokens as events of the next bytes, for the byte-prefix target.
+
+    `student_event [V_s]`: the event of each student token, its first teacher piece (the teacher
+    token its bytes start with); `num_events` (= the teacher's rows) for a token without one,
+    which belongs to the tail. `teacher_event`: each teacher id's event as a one-piece
+    projection onto `num_events` ids: the teacher id itself where some student token starts
+    with it, else the event of its first student piece (a teacher token longer than every
+    student token that starts it shares the event of the shorter one), else none (tail)."""
+
+    student_event: Tensor
+    teacher_event: VocabProjection
+    num_events: int
+
+    @classmethod
+    def from_first_pieces(
+        cls, teacher_of_student: Tensor, student_of_teacher: Tensor
+    ) -> PrefixGroups:
+        """From the first teacher piece of every student id `[V_s]` and the first student piece
+        of every teacher id `[V_t]` (−1: none)."""
+        num_events = int(student_of_teacher.shape[0])
+        g = teacher_of_student.long()
+        g = torch.where((g >= 0) & (g < num_events), g, -1)
+        hit = torch.zeros(num_events + 1, dtype=torch.bool, device=g.device)
+        hit[torch.where(g >= 0, g, num_events)] = True
+        hit = hit[:num_events]
+        fp = student_of_teacher.long().to(g.device)
+        via = torch.where(fp >= 0, g[fp.clamp(min=0)], -1)
+        own = torch.arange(num_events, device=g.device)
+        event_t = torch.where(hit, own, via)
+        return cls(
+            torch.where(g >= 0, g, num_events),
+            VocabProjection.from_first_piece(event_t, num_events),
+            num_events,
+        )
+
+    def to(self, device: torch.device | str) -> PrefixGroups:
+        return PrefixGroups(
+            self.student_event.to(device), self.teacher_event.to(device), self.num_events
         )
 
 

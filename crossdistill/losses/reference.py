@@ -39,6 +39,14 @@ def _part_loss(part: Part, logp: Tensor, weight: Tensor) -> Tensor:
         top, ids = source.topk(min(part.logq.shape[1], logp.shape[1]), dim=1)
         tail_s = None if part.logq_tail is None else _tail(logp, ids, None)
         return div.uld(part.logq, top, weight, part.logq_tail, tail_s)
+    if part.groups is not None:  # buckets of token groups: the log of each group's total
+        index = part.groups.expand(logp.shape[0], -1)
+        total = torch.zeros(
+            logp.shape[0], part.num_events + 1, dtype=logp.dtype, device=logp.device
+        )
+        total = total.scatter_add(1, index, logp.exp())
+        full = total > 0  # an event no student token has: −inf, with a finite gradient path
+        logp = torch.where(full, torch.where(full, total, 1.0).log(), NEG_INF)
     logp_b = torch.where(part.valid, logp.gather(1, part.ids), NEG_INF)
     lq = torch.cat([part.logq, part.logq_tail.unsqueeze(1)], 1)
     lp = torch.cat([logp_b, _tail(logp, part.ids, part.valid).unsqueeze(1)], 1)

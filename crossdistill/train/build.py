@@ -13,7 +13,7 @@ from torch import nn
 from crossdistill.config import Config, TeacherConfig
 from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.distributed.runtime import Placement, TeacherSlot
-from crossdistill.losses import VocabProjection
+from crossdistill.losses import PrefixGroups, VocabProjection
 from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
 from crossdistill.train.optim import build_optimizer, build_scheduler
 from crossdistill.train.teacher_cache import check_coverage, open_cache
@@ -55,17 +55,23 @@ def build_projection_for(
     else:
         proj = build_projection(tok_t, tok_s)
     if proj.mode == "first_piece":
-        return _padded(proj.first_piece, proj.exact, rows_t, rows_s, device)
-    exact = torch.zeros(rows_t, dtype=torch.bool)
-    exact[: proj.vocab_size_t] = proj.exact
-    return VocabProjection.from_sparse(
-        proj.rows.to(device),
-        proj.cols.to(device),
-        proj.weights.to(device),
-        rows_t,
-        rows_s,
-        exact=exact.to(device),
-    )
+        out = _padded(proj.first_piece, proj.exact, rows_t, rows_s, device)
+    else:
+        exact = torch.zeros(rows_t, dtype=torch.bool)
+        exact[: proj.vocab_size_t] = proj.exact
+        out = VocabProjection.from_sparse(
+            proj.rows.to(device),
+            proj.cols.to(device),
+            proj.weights.to(device),
+            rows_t,
+            rows_s,
+            exact=exact.to(device),
+        )
+    if tcfg.target == "prefix":  # each student token's first teacher piece: the other way round
+        back = build_projection(tok_s, tok_t).first_piece
+        first_t = _padded(back, torch.zeros_like(back, dtype=torch.bool), rows_s, rows_t, device)
+        out.groups = PrefixGroups.from_first_pieces(first_t.first_piece, out.first_piece)
+    return out
 
 
 def _padded(

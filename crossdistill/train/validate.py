@@ -79,6 +79,13 @@ def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
         raise UserError(f"teacher names must be distinct, got {names}; set teachers.N.name")
     for i, (t, r) in enumerate(zip(cfg.teachers, teachers)):
         _check_top_k(t, i, student.hf_config.vocab_size, r.hf_config.vocab_size)
+        if t.target == "prefix" and cfg.student.parallel.tp > 1:
+            raise UserError(
+                f"teachers.{i}.target = prefix sums the student's probabilities over groups of "
+                f"tokens anywhere in its vocabulary, which student.parallel.tp = "
+                f"{cfg.student.parallel.tp} splits over ranks: use target first_piece or context, "
+                "or a student without tensor parallelism"
+            )
     return student, teachers
 
 
@@ -92,9 +99,9 @@ def _check_top_k(t: Any, i: int, vocab_s: int, vocab_t: int) -> None:
     student's vocabulary. A forward KL is infinite once the projected top-k can cover every
     student id while the teacher keeps mass outside its top-k (k < its vocabulary): that mass
     would land on a student bucket of probability 0."""
-    if t.target == "context" and t.loss not in DISTRIBUTION_LOSSES:
+    if t.target != "first_piece" and t.loss not in DISTRIBUTION_LOSSES:
         raise UserError(
-            f"teachers.{i}.target = context needs a projected loss "
+            f"teachers.{i}.target = {t.target} needs a projected loss "
             f"({', '.join(DISTRIBUTION_LOSSES)}), not {t.loss}: set teachers.{i}.target=first_piece"
         )
     where = f"teachers.{i}.top_k = {t.top_k}"
