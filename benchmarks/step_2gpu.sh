@@ -20,6 +20,12 @@
 #   pp2_interleaved  pp2 with the interleaved schedule, two stages on each GPU
 #   tp2 cp2       student and teacher tensor / context parallel over both GPUs
 #   s_fsdp_t_tp2  student FSDP, teacher tensor parallel
+#   s_tp2         student tensor parallel, teacher replicated, one micro-batch of two sequences:
+#                 both ranks compute the teacher's targets of the micro-batch (profiled per rank)
+#   s_tp2_shared  the same in two micro-batches of one sequence: each rank computes one
+#                 micro-batch's targets and broadcasts them to the other (profiled per rank)
+#   separate_pp2  the student on GPU 0, the teacher as a two-stage pipeline on GPUs 1 and 0 (three
+#                 processes on two GPUs: a check of the path, not a speed)
 #   long_one      one sequence of 32,768 tokens per micro-batch on one GPU (its error is the
 #                 record where it does not fit); the teacher allows 65,536 positions; the
 #                 Llama-3.2-1B-shaped student
@@ -62,6 +68,22 @@ stage cp2 && two cp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
     --set student.parallel.cp=2 --set teachers.0.parallel.cp=2
 stage s_fsdp_t_tp2 && two s_fsdp_t_tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 \
     --set teachers.0.parallel.tp=2
+bench2() {  # name, then benchmarks/bench_step.py arguments (profiles): torchrun over both GPUs
+    local name=$1; shift
+    python3 -m torch.distributed.run --nproc_per_node 2 benchmarks/bench_step.py "$@" \
+        | tail -1 > "$OUT/step-2gpu-$name-$stamp.json"
+    echo "$name: $(head -c 300 "$OUT/step-2gpu-$name-$stamp.json")"
+}
+stage s_tp2 && bench2 s_tp2 "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 2 --profile \
+    --set student.parallel.tp=2
+stage s_tp2_shared && bench2 s_tp2_shared "${S[@]}" "${Q[@]}" "${C[@]}" --micro-batch 1 \
+    --grad-accum 2 --profile --set student.parallel.tp=2
+if stage separate_pp2; then
+    python3 -m torch.distributed.run --nproc_per_node 3 -m crossdistill bench step "${S[@]}" \
+        "${Q[@]}" "${C[@]}" --micro-batch 2 --teacher-placement separate --teacher-ranks 2 \
+        --set teachers.0.parallel.pp=2 | tail -1 > "$OUT/step-2gpu-separate_pp2-$stamp.json"
+    echo "separate_pp2: $(head -c 300 "$OUT/step-2gpu-separate_pp2-$stamp.json")"
+fi
 L=(--seq-len 32768 --set teachers.0.overrides.max_position_embeddings=65536 --compile --steps 4 --warmup 2 --json --micro-batch 1)
 long_pair() {  # name prefix, student preset, then extra arguments: one GPU (its error is the
     # record where it does not fit), then context parallel over both GPUs
