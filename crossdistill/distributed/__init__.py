@@ -11,8 +11,10 @@ process is the one-rank layout: the same code, with no mesh.
 - `runtime.py`: the training step's placement across ranks (teacher inputs gathered across
   layouts, vocab-parallel lm_head, sequence shards, reductions); `grads.py`: gradient clipping
   over mixed shardings; `setup.py`: the layouts of a run, its placement and its models.
-- `pipeline.py`: the student's blocks in pipeline stages over the mesh's `pp` axis, one or
-  several (interleaved) per rank, run by a `torch.distributed.pipelining` schedule.
+- `stages.py`: a model's blocks split by cost into pipeline stages, and the model cut down to
+  a rank's stages at load.
+- `pipeline.py`: the student's stages over the mesh's `pp` axis, one or several (interleaved)
+  per rank, run by a `torch.distributed.pipelining` schedule.
 - `share.py`: a teacher that runs whole on each of a tensor- or context-parallel student's
   ranks computes each micro-batch of the window on one of them and broadcasts its targets.
 - `streams.py`: separate teachers: the job split into roles (each its own process group), the

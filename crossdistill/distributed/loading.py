@@ -24,7 +24,7 @@ from torch import nn
 from crossdistill.config import ModelConfig
 from crossdistill.distributed.layout import ParallelLayout
 from crossdistill.distributed.parallelize import parallelize_model
-from crossdistill.distributed.pipeline import keep_stages
+from crossdistill.distributed.stages import keep_stages
 from crossdistill.distributed.tp_plans import fused_params
 from crossdistill.errors import UserError
 from crossdistill.models.loading import (

@@ -25,7 +25,7 @@ HIDDEN_METHOD = "forward_hidden"
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a causal LM that this rank holds (a pipeline rank holds
-    some; `pipeline.keep_stages`)."""
+    some; `stages.keep_stages`)."""
     return [b for b in decoder_of(model).layers if not isinstance(b, HeldElsewhere)]
 
 

@@ -2,7 +2,7 @@
 
 A teacher too large for one GPU can run as pipeline stages over its own ranks
 (`teachers.N.placement: separate`): its blocks are split by cost into `pp` stages as the
-student's are (`pipeline.stage_blocks`, `pipeline.keep_stages`, on the mesh's outermost `pp`
+student's are (`stages.stage_blocks`, `stages.keep_stages`, on the mesh's outermost `pp`
 axis), and each stage keeps only its blocks; the first also the embedding, the last the final
 norm and the lm_head. Built from a checkpoint folder, each stage reads only its own tensors
 (`loading.build_parallel_model`); built from an architecture (random init), the whole model is

@@ -268,7 +268,7 @@ def test_pipeline_checkpoint_resumes_in_one_process(setup, two, part, full):
 
 
 def test_stages_balance_blocks_against_the_lm_head():
-    from crossdistill.distributed.pipeline import stage_blocks
+    from crossdistill.distributed.stages import stage_blocks
 
     def sizes(*args):
         split = stage_blocks(*args)
@@ -292,7 +292,8 @@ def test_a_rank_holds_its_stages_and_runs_one_at_a_time():
     r + 2 under their names; running the four stages in order, each on its rank's cut, gives
     the whole model's final hidden states (the embedding in stage 0 only, the final norm in
     stage 3 only)."""
-    from crossdistill.distributed.pipeline import StudentStage, keep_stages, rank_stages
+    from crossdistill.distributed.pipeline import StudentStage
+    from crossdistill.distributed.stages import keep_stages, rank_stages
     from crossdistill.models.forward import HeldElsewhere, decoder_of, final_hidden
     from crossdistill.models.loading import build_causal_lm
 
