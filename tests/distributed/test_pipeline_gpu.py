@@ -22,7 +22,10 @@ steps. Every logged value must agree to 1e-5 relative (`test_streams._assert_sam
 
 The pipeline cases take `test_streams.PIPELINE_FLOOR` as the absolute floor of the near-zero
 KD terms: a pipeline sums the tied embedding's gradients, and the stages' gradient norms, in
-another order than one process, as on CPU.
+another order than one process, as on CPU. The pp2 student against one GPU allows 5e-5
+relative (`GPU_PIPELINE_REL`): its bf16-autocast matmuls' rounding, summed in that other order
+over a dozen steps, moves the gradient norm by about 1e-5 of its value
+(`benchmarks/results/gpu-tests-pipeline-20261126-h200.txt`).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import torch
 from crossdistill.config import ParallelConfig as P
 from tests.distributed import _harness as h
 from tests.distributed.test_streams import PIPELINE_FLOOR, _assert_same, _metrics, _run
+
+GPU_PIPELINE_REL = 5e-5
 
 pytestmark = [
     pytest.mark.gpu,
@@ -121,7 +126,7 @@ def test_a_two_stage_student_on_two_gpus_gives_the_one_gpu_run(base, one_gpu):
     last stage scores training and held-out batches: every logged value of the one-GPU run;
     the stages write one checkpoint."""
     got = _train(base, "student-pp2", 2, 2, student=PP2)
-    _assert_same(got, one_gpu, "pp2 student", floor=PIPELINE_FLOOR)
+    _assert_same(got, one_gpu, "pp2 student", floor=PIPELINE_FLOOR, rel=GPU_PIPELINE_REL)
     assert (base[0] / "student-pp2/checkpoints/step_000006/dcp/.metadata").is_file()
 
 

@@ -64,7 +64,7 @@ def _metrics(run: Path) -> dict[int, dict[str, float]]:
     return out
 
 
-def _assert_same(got: dict, ref: dict, where: str, floor: float = 1e-8) -> None:
+def _assert_same(got: dict, ref: dict, where: str, floor: float = 1e-8, rel: float = REL) -> None:
     assert sorted(got) == sorted(ref), where
     for step, values in ref.items():
         for key, value in values.items():
@@ -73,7 +73,7 @@ def _assert_same(got: dict, ref: dict, where: str, floor: float = 1e-8) -> None:
             assert key in got[step], (where, step, key)
             # relative, with a floor for the near-zero KD terms of untrained models (a teacher
             # tensor-parallel over its ranks sums its vocabulary in another order)
-            assert abs(got[step][key] - value) <= REL * abs(value) + floor, (
+            assert abs(got[step][key] - value) <= rel * abs(value) + floor, (
                 where,
                 step,
                 key,
