@@ -16,7 +16,11 @@ emit there. This counts, on real text and real tokenizers, how often and why:
 - `other`: the rest (both sides several tokens).
 
 It also counts the share of the student's positions that are KD positions at all (one per
-aligned chunk; a student position inside a chunk of several student tokens gets CE only).
+aligned chunk; a student position inside a chunk of several student tokens gets CE only), and
+`prefix_right`: under the byte-prefix target (`teachers.N.target: prefix`), the share of KD
+positions where the observed teacher token's event is the group the observed student token
+belongs to (the teacher's mass of the text that follows lands on a group holding the student's
+token).
 
     python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
         --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--json]
@@ -39,6 +43,7 @@ from crossdistill.alignment import align  # noqa: E402
 from crossdistill.alignment.projection import build_projection  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
 from crossdistill.bench.quality import corpus_pieces  # noqa: E402
+from crossdistill.losses import PrefixGroups  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 from crossdistill.train.audit import FIRST_PIECE_KINDS as KINDS  # noqa: E402
 from crossdistill.train.audit import first_bytes, first_piece_kinds  # noqa: E402
@@ -56,9 +61,12 @@ def texts_of(corpora: list[str], limit: int) -> list[str]:
 
 def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
-    first = build_projection(tok_t, tok_s).first_piece.numpy()
+    forward = build_projection(tok_t, tok_s).first_piece
+    first = forward.numpy()
+    groups = PrefixGroups.from_first_pieces(build_projection(tok_s, tok_t).first_piece, forward)
+    event_s, event_t = groups.student_event.numpy(), groups.teacher_event.first_piece.numpy()
     counts = dict.fromkeys(KINDS, 0)
-    label_bytes = target_bytes = predicted = 0
+    label_bytes = target_bytes = predicted = prefix_right = 0
     enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     enc_t = tok_t.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     for es, et in zip(enc_s, enc_t):
@@ -70,6 +78,7 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
             counts[k] += int(v.sum())
         at = chunks[(chunks[:, 0] > 0) & (chunks[:, 2] > 0)]
         label, target, right = ids_s[at[:, 0]], first[ids_t[at[:, 2]]], kinds["right"]
+        prefix_right += int((event_s[label] == event_t[ids_t[at[:, 2]]]).sum())
         label_bytes += int(bytes_s.lengths[label[~right]].sum())
         target_bytes += int(bytes_s.lengths[target[~right & (target >= 0)]].sum())
     total = sum(counts.values())
@@ -81,6 +90,7 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     # the student's predicting positions that are KD positions (one per aligned chunk): the
     # rest sit inside chunks of several student tokens and get CE only
     out["student_positions_with_kd"] = total / max(predicted, 1)
+    out["prefix_right"] = prefix_right / max(total, 1)
     return out
 
 
@@ -108,12 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(
         "| teacher | KD positions | right | student longer | student shorter | other "
-        "| student positions with KD |"
+        "| student positions with KD | prefix target right |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for path, r in rows.items():
         cells = " | ".join(f"{r[k]:.1%}" for k in KINDS)
-        print(f"| {path} | {r['kd_positions']} | {cells} | {r['student_positions_with_kd']:.1%} |")
+        tail = f"{r['student_positions_with_kd']:.1%} | {r['prefix_right']:.1%}"
+        print(f"| {path} | {r['kd_positions']} | {cells} | {tail} |")
     return 0
 
 

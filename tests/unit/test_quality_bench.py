@@ -218,7 +218,7 @@ def _script(name: str, *args: str) -> dict:
 def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     """Identical tokenizers: the first-piece target is right at every KD position; a
     finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
-    where the student's token runs past the teacher's."""
+    where the student's token runs past the teacher's, and the prefix target far less."""
     corpus = tmp_path / "c.txt"
     corpus.write_text(
         "".join(f"def function_{i}(argument):\n    return argument\n" for i in range(800))
@@ -234,6 +234,8 @@ def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     assert sum(far[k] for k in kinds) == pytest.approx(1.0)
     assert far["right"] < 0.95 and far["student_longer"] > far["student_shorter"]
     assert far["label_bytes_where_wrong"] > far["target_bytes_where_wrong"]
+    # the prefix target's groups hold the observed token wherever the first piece missed it
+    assert same["prefix_right"] == 1.0 and far["prefix_right"] > far["right"] + 0.05
 
 
 def test_student_noise_script_repeats_one_config_identically_on_cpu(tokenizer_dir, tmp_path):
