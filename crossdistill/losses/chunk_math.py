@@ -200,18 +200,10 @@ def chunk_step(
                 continue
             weight = term.row_weight[sl]
             for part, (z_sel, ids) in zip(term.parts, picked[ti]):
-                e_ids = s_tail = None
+                e_ids = s_tail = index = None
                 if part.groups is not None:
                     z_sel, e_ids, s_tail, index = group_sums(e, part, sl, ids, zmax, tau)
-                    rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-                    term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
-                    loss = loss + weighted_sum(rows, weight)
-                    row_coef += a
-                    if want_grad:
-                        add = group_coefficients(corr, e_ids, ids, index, part.num_events + 1)
-                        dense = add if dense is None else dense.add_(add)
-                    continue
-                if part.logq_tail is not None:
+                elif part.logq_tail is not None:
                     e_ids, s_tail = _tail_mass(
                         e, ids, None if part.valid is None else part.valid[sl], shard
                     )
@@ -221,7 +213,11 @@ def chunk_step(
                 term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
                 loss = loss + weighted_sum(rows, weight)
                 row_coef += a
-                fixes.append((ids, corr))
+                if index is None:
+                    fixes.append((ids, corr))
+                elif want_grad:
+                    add = group_coefficients(corr, e_ids, ids, index, part.num_events + 1)
+                    dense = add if dense is None else dense.add_(add)
         if last:
             loss, logp_label = label_terms(plan, sl, z_label - lse_u, loss)
             row_coef += label_coef / s
