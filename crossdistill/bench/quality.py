@@ -204,11 +204,12 @@ class QualitySpec:
         for name in self.targets:
             if name not in TARGETS:
                 raise UserError(f"unknown --target {name!r}; use one of {', '.join(TARGETS)}")
-        if "context" in self.targets and set(self.losses) - set(DISTRIBUTION_LOSSES):
-            raise UserError(
-                "--target context applies to the projected losses only "
-                f"({', '.join(DISTRIBUTION_LOSSES)}); run other losses without it"
-            )
+        for name in sorted(set(self.targets) - {"first_piece"}):
+            if set(self.losses) - set(DISTRIBUTION_LOSSES):
+                raise UserError(
+                    f"--target {name} applies to the projected losses only "
+                    f"({', '.join(DISTRIBUTION_LOSSES)}); run other losses without it"
+                )
         if not 0.0 < self.kd_ratio <= 1.0:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:

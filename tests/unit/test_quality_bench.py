@@ -122,6 +122,7 @@ def test_settings_are_checked_once_with_the_fix_named(tmp_path, tokenizer_dir):
         (dict(teacher_tokenizers=[]), "--teacher-tokenizer"),
         (dict(losses=["nope"]), "unknown --loss 'nope'"),
         (dict(kd_ratio=0.0), "--kd-ratio"),
+        (dict(targets=["prefix"], losses=["gold"]), "--target prefix applies to the projected"),
         (dict(corpora=[str(tmp_path / "missing.jsonl")]), "does not exist"),
     ]
     for change, message in bad:
