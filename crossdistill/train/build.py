@@ -68,19 +68,26 @@ def build_projection_for(
             exact=exact.to(device),
         )
     if tcfg.target == "prefix":  # each student token's first teacher piece: the other way round
-        back = build_projection(tok_s, tok_t).first_piece
-        first_t = _padded(back, torch.zeros_like(back, dtype=torch.bool), rows_s, rows_t, device)
-        out.groups = PrefixGroups.from_first_pieces(first_t.first_piece, out.first_piece)
+        first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
+        out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     return out
+
+
+def _padded_ids(first: torch.Tensor, rows: int, limit: int) -> torch.Tensor:
+    """`first [V]` ids over `rows` embedding rows: −1 past the tokenizer and at ids >= `limit`
+    (rows of the other model that do not exist)."""
+    full = torch.full((rows,), -1, dtype=torch.long)
+    n = min(rows, first.shape[0])
+    full[:n] = first[:n].long()
+    full[full >= limit] = -1
+    return full
 
 
 def _padded(
     first: torch.Tensor, exact: torch.Tensor, rows_t: int, rows_s: int, device
 ) -> VocabProjection:
-    full = torch.full((rows_t,), -1, dtype=torch.long)
+    full = _padded_ids(first, rows_t, rows_s)
     n = min(rows_t, first.shape[0])
-    full[:n] = first[:n].long()
-    full[full >= rows_s] = -1
     ex = torch.zeros(rows_t, dtype=torch.bool)
     ex[:n] = exact[:n].bool()
     return VocabProjection.from_first_piece(
