@@ -357,3 +357,31 @@ def _without_prefix(component: dict | None) -> dict | None:
     if component.get("type") == "ByteLevel":
         return {**component, "add_prefix_space": False}
     return component
+
+
+def build_joins(tok_t, tok_s) -> np.ndarray:
+    """`[J, 3]` int64 rows `(a, x, v)`: student token v's bytes are student token a's followed by
+    teacher token x's, for every such split of every student token (the lookahead target's
+    table: the student token a teacher token continues a known student prefix into). Sorted by
+    `(a, x)`; where several student tokens share bytes, the one `_student_lookup` picks."""
+    return joins_of(TokenBytes.from_tokenizer(tok_t), TokenBytes.from_tokenizer(tok_s))
+
+
+def joins_of(bytes_t: TokenBytes, bytes_s: TokenBytes) -> np.ndarray:
+    """`build_joins` from the two byte tables."""
+    lookup_s = _student_lookup(bytes_s)
+    lookup_t: dict[bytes, list[int]] = {}
+    for t, data in enumerate(bytes_t.pieces()):
+        if data and not bytes_t.special[t]:
+            lookup_t.setdefault(data, []).append(t)
+    rows = []
+    for data, v in lookup_s.items():
+        for cut in range(1, len(data)):
+            a = lookup_s.get(data[:cut])
+            xs = lookup_t.get(data[cut:]) if a is not None else None
+            for x in xs or ():
+                rows.append((a, x, v))
+    if not rows:
+        return np.zeros((0, 3), dtype=np.int64)
+    out = np.asarray(rows, dtype=np.int64)
+    return out[np.lexsort((out[:, 1], out[:, 0]))]

@@ -40,7 +40,9 @@ from crossdistill.losses import (
     KDTerm,
     TeacherTargets,
     VocabProjection,
-    kd_positions,
+    chunk_tokens,
+    target_depth,
+    target_rows,
     teacher_targets,
 )
 from crossdistill.losses.sharding import RowShard
@@ -201,13 +203,14 @@ class Placement:
         group, owners = self.sources[k]
         ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)
         labels = _to(tb.labels, self.device).flatten()
-        _, kd_rows = kd_positions(_to(tb.chunks, self.device))
+        depth = target_depth(slot.cfg.target, tb.same_as_student)
+        kd_rows = target_rows(_to(tb.chunks, self.device), depth)
         if len(set(owners)) > 1:  # the teacher's group reads several ranks' data: run them all
             with record_function(EXCHANGE_INPUTS):
                 joint = _gather_inputs(ids, pos, labels.view(ids.shape), kd_rows, group, owners)
             hidden = self._hidden(slot, joint.ids, joint.pos, None)
             targets = self._targets(
-                slot, k, hidden, joint.kd_rows, joint.labels.flatten(), chunk_size, fused
+                slot, k, hidden, joint.kd_rows, joint.labels.flatten(), chunk_size, fused, depth
             )
             with record_function(EXCHANGE_TARGETS):
                 return joint.mine(targets, ids.shape)
@@ -216,7 +219,7 @@ class Placement:
             hidden = self._hidden(slot, ids, pos, segments_of(tb, self.device))
             if hidden is None:
                 return None  # a teacher pipeline's earlier stage: the last computes them
-            return self._targets(slot, k, hidden, kd_rows, labels, chunk_size, fused)
+            return self._targets(slot, k, hidden, kd_rows, labels, chunk_size, fused, depth)
         # the non-pad tokens only: `[1, N]`, their segments from the collator
         segments = (_to(tb.real_cu_seqlens, self.device), tb.real_max_seqlen)
         flat = [x.view(1, -1).index_select(1, rows) for x in (ids, pos)]
@@ -228,7 +231,7 @@ class Placement:
         )  # padded position -> position among the non-pad tokens
         kd_real = torch.where(kd_rows >= 0, where[kd_rows.clamp(min=0)], -1)
         targets = self._targets(
-            slot, k, hidden, kd_real, labels.index_select(0, rows), chunk_size, fused
+            slot, k, hidden, kd_real, labels.index_select(0, rows), chunk_size, fused, depth
         )
         # next-token results back over the padded rows
         targets.next_logprobs = targets.next_logprobs.new_zeros(labels.numel()).index_copy_(
@@ -276,6 +279,7 @@ class Placement:
         labels: Tensor,
         chunk_size: int,
         fused: bool | None,
+        depth: int,
     ) -> TeacherTargets:
         weight, vocab = local_vocab(slot.teacher.lm_head_weight, self.teachers[k].group("tp"))
         out = teacher_targets(
@@ -289,6 +293,7 @@ class Placement:
             fused=fused,
             **({} if vocab is None else {"vocab": vocab}),
         )
+        out.depth = depth
         model = slot.teacher.model
         if hasattr(model, "reshard"):
             model.reshard()  # a frozen model keeps nothing gathered between steps
@@ -393,14 +398,17 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
     """Teacher `slot`'s KD term on micro-batch `tb` (its denominator and weight are set by the
     caller, from the whole global batch)."""
     params = {"beta": slot.cfg.beta, "alpha": slot.cfg.alpha}
-    first_t = None
+    first_t = ahead = None
+    chunks = _to(tb.chunks, device)
     if slot.cfg.target == "context" and not tb.same_as_student:
-        chunks = _to(tb.chunks, device)
         first_t = _to(tb.input_ids, device).view(-1)[chunks[:, 2]]
+    depth = target_depth(slot.cfg.target, tb.same_as_student)
+    if depth > 1:
+        ahead = chunk_tokens(_to(tb.input_ids, device).view(-1), chunks, depth)
     return KDTerm(
         targets=targets,
         projection=slot.projection,
-        chunks=_to(tb.chunks, device),
+        chunks=chunks,
         denominator=torch.zeros((), device=device),
         loss=slot.cfg.loss,
         weight=slot.cfg.weight,
@@ -408,6 +416,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         chunk_mask=_to(tb.kd_valid, device),
         name=slot.cfg.name,
         first_t=first_t,
+        lookahead=ahead,
     )
 
 
@@ -453,6 +462,7 @@ class _Joint:
             next_logprobs=rows(t.next_logprobs),
             next_valid=rows(t.next_valid),
             temperature=t.temperature,
+            depth=t.depth,
         )
 
 

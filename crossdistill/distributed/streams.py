@@ -53,7 +53,7 @@ from crossdistill.distributed.layout import (
     wants_cuda,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import TeacherTargets
+from crossdistill.losses import TeacherTargets, target_depth
 from crossdistill.losses.payload import (
     batch_id,
     pack_targets,
@@ -373,12 +373,14 @@ class TargetStream:
     quantization: Quantization
     temperature: float
     timeout_s: float
+    target: str = "first_piece"  # the teacher's `target` (how many top-k rows per chunk)
     seq: int = 0
     wait_s: float = 0.0  # host time spent waiting for targets
 
     def receive(self, tb: Any) -> TeacherTargets:
         """Targets of teacher batch `tb` (this rank's next micro-batch)."""
-        m, n = payload_sizes(tb)
+        depth = target_depth(self.target, tb.same_as_student)
+        m, n = payload_sizes(tb, depth)
         expected = batch_id(self.seq, tb.input_ids, tb.labels)
         who = f"teacher {self.name!r} (rank {self.source} of the job), batch {self.seq}"
         self.seq += 1
@@ -397,6 +399,7 @@ class TargetStream:
         self.wait_s += time.monotonic() - start
         targets = unpack_targets(buf, m, self.top_k, n, self.quantization, self.temperature)
         targets.topk_ids = targets.topk_ids.long()
+        targets.depth = depth
         return targets
 
 

@@ -7,6 +7,8 @@
 - `student_loss(hidden, lm_head, labels, [KDTerm, ...], kd_ratio, ce_denominator)` → loss and
   detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
   reference backend.
+- Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
+  lookahead (`teachers.N.target`).
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
   quantisation the teacher cache shares.
 
@@ -23,25 +25,37 @@ from crossdistill.losses.divergences import (
     tvd,
     uld,
 )
+from crossdistill.losses.lookahead import LOOKAHEAD_DEPTH, target_depth
 from crossdistill.losses.objective import student_loss
 from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
-from crossdistill.losses.projection import Buckets, PrefixGroups, VocabProjection, project_topk
+from crossdistill.losses.projection import (
+    Buckets,
+    Joins,
+    PrefixGroups,
+    VocabProjection,
+    project_topk,
+)
 from crossdistill.losses.targets import (
     TeacherTargets,
+    chunk_tokens,
     kd_positions,
     next_token_nll,
+    target_rows,
     teacher_targets,
 )
 
 __all__ = [
+    "LOOKAHEAD_DEPTH",
     "LOSSES",
     "Buckets",
+    "Joins",
     "PrefixGroups",
     "KDTerm",
     "TeacherTargets",
     "VocabProjection",
     "ce",
     "ce_count",
+    "chunk_tokens",
     "chunk_likelihood",
     "flatten_chunks",
     "forward_kl",
@@ -55,6 +69,8 @@ __all__ = [
     "reverse_kl",
     "skew_kl",
     "student_loss",
+    "target_depth",
+    "target_rows",
     "teacher_targets",
     "tvd",
     "uld",

@@ -66,10 +66,11 @@ def batch_id(seq: int, input_ids: Tensor, labels: Tensor) -> Tensor:
     return torch.tensor([seq, check % (1 << 62), ids.numel(), lab.numel()], dtype=torch.int64)
 
 
-def payload_sizes(tb: Any) -> tuple[int, int]:
-    """(M KD positions, N_t tokens) of teacher batch `tb`'s targets: what a receiver counts on
-    its own copy of the batch to size and read a payload (with K and the quantisation)."""
-    return kd_positions(tb.chunks)[1].shape[0], tb.labels.numel()
+def payload_sizes(tb: Any, depth: int = 1) -> tuple[int, int]:
+    """(M top-k rows, N_t tokens) of teacher batch `tb`'s targets: what a receiver counts on
+    its own copy of the batch to size and read a payload (with K and the quantisation);
+    `depth`: top-k rows per chunk (`TeacherTargets.depth`)."""
+    return kd_positions(tb.chunks)[1].shape[0] * depth, tb.labels.numel()
 
 
 def payload_nbytes(m: int, k: int, n: int, quantization: Quantization) -> int:
@@ -125,11 +126,12 @@ def receive_like(
     a buffer sized from this rank's own copy of the batch and `like` (targets of the same
     teacher computed here: K, the id dtype and the temperature) is filled by `transfer(buf)`
     (a receive or a broadcast) and read back."""
-    (m, n), k = payload_sizes(tb), like.topk_ids.shape[1]
+    (m, n), k = payload_sizes(tb, like.depth), like.topk_ids.shape[1]
     buf = torch.empty(
         payload_nbytes(m, k, n, "none"), dtype=torch.uint8, device=like.topk_ids.device
     )
     transfer(buf)
     got = unpack_targets(buf, m, k, n, "none", like.temperature)
     got.topk_ids = got.topk_ids.to(like.topk_ids.dtype)
+    got.depth = like.depth
     return got

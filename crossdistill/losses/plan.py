@@ -18,6 +18,7 @@ from torch import Tensor
 from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
+from crossdistill.losses.lookahead import project_lookahead
 from crossdistill.losses.projection import Buckets, Continuation, VocabProjection, project_topk
 from crossdistill.losses.targets import TeacherTargets
 
@@ -38,7 +39,9 @@ class KDTerm:
     `chunk_mask [C]`: False keeps a chunk out of KD (template tokens).
     `first_t [C]`: the teacher's token id at each chunk's start (`t0`); with it, the projected
     losses use the context-aware target (`projection.Continuation`), without it the first-piece
-    target."""
+    target. `lookahead [C, D]`: the chunk's first D teacher token ids (−1 past its end); with it,
+    `targets` hold D rows per chunk (`targets.target_rows(chunks, D)`: the KD position and the
+    D − 1 after it) and the projected losses use the lookahead target (`losses.lookahead`)."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -50,6 +53,7 @@ class KDTerm:
     chunk_mask: Tensor | None = None
     name: str = "teacher"
     first_t: Tensor | None = None
+    lookahead: Tensor | None = None
 
     @property
     def temperature(self) -> float:
@@ -64,9 +68,12 @@ class KDTerm:
             raise UserError(f"jsd needs 0 < beta < 1 (teacher {self.name!r}), got {beta}")
         if self.loss == "skew_kl" and not 0.0 <= alpha < 1.0:
             raise UserError(f"skew_kl needs 0 <= alpha < 1 (teacher {self.name!r}), got {alpha}")
-        if self.first_t is not None and self.loss not in DISTRIBUTION_LOSSES:
+        target = "context" if self.lookahead is None else "lookahead"
+        if (self.first_t is not None or self.lookahead is not None) and self.loss not in (
+            DISTRIBUTION_LOSSES
+        ):
             raise UserError(
-                f"the context target needs a projected loss ({', '.join(DISTRIBUTION_LOSSES)}); "
+                f"the {target} target needs a projected loss ({', '.join(DISTRIBUTION_LOSSES)}); "
                 f"teacher {self.name!r} uses {self.loss}: set its target to first_piece"
             )
 
@@ -224,8 +231,10 @@ def _bucket_rows(b: Buckets, rows: Tensor, valid: Tensor, n: int) -> tuple[Tenso
 
 
 def continuation(term: KDTerm, labels_s: Tensor) -> Continuation | None:
-    """The context-aware target's view of each chunk (None without `term.first_t`)."""
-    if term.first_t is None:
+    """The context-aware target's view of each chunk (None without `term.first_t` or
+    `term.lookahead`)."""
+    first_t = term.first_t if term.lookahead is None else term.lookahead[:, 0]
+    if first_t is None:
         return None
     s0, s1, t0, t1 = term.chunks.unbind(-1)
     n = labels_s.shape[0]
@@ -233,7 +242,7 @@ def continuation(term: KDTerm, labels_s: Tensor) -> Continuation | None:
     tg = term.targets
     rest_bad = _span_sums((~tg.next_valid).double(), t0, t1 - 1)
     return Continuation(
-        first_t=term.first_t.long(),
+        first_t=first_t.long(),
         label=torch.where(s0 > 0, label, -1),
         log_rest=_span_sums(tg.next_logprobs, t0, t1 - 1),
         active=(s1 - s0 == 1) & (t1 - t0 > 1) & (rest_bad == 0),
@@ -266,9 +275,42 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         part = Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)
         return [dataclasses.replace(part, groups=g.student_event, num_events=g.num_events)]
     cont = continuation(term, labels_s)
-    b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
+    if term.lookahead is not None:
+        b = _lookahead_buckets(term, cont)
+    else:
+        b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
     ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
     return [Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)]
+
+
+def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
+    """The lookahead target's buckets `[C, L]` from targets at D rows per chunk."""
+    tg, chunks = term.targets, term.chunks
+    c, depth = term.lookahead.shape
+    _, _, t0, t1 = chunks.unbind(-1)
+    rest = [_span_sums(tg.next_logprobs, t0 - 1 + d, t1 - 1) for d in range(depth + 1)]
+    return project_lookahead(
+        tg.topk_ids.view(c, depth, -1),
+        tg.topk_logprobs.view(c, depth, -1),
+        tg.tail_logprob.view(c, depth),
+        term.projection,
+        cont,
+        term.lookahead,
+        t1 - t0,
+        torch.stack(rest, -1),
+    )
+
+
+def depth_rows(targets: TeacherTargets, depth: int) -> TeacherTargets:
+    """The targets at each chunk's KD position only, from targets at `depth` rows per chunk."""
+    if depth == 1:
+        return targets
+    return dataclasses.replace(
+        targets,
+        topk_ids=targets.topk_ids[::depth],
+        topk_logprobs=targets.topk_logprobs[::depth],
+        tail_logprob=targets.tail_logprob[::depth],
+    )
 
 
 def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
@@ -280,6 +322,7 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
     )
     mask = None if term.chunk_mask is None else term.chunk_mask.to(device)
     first_t = None if term.first_t is None else term.first_t.to(device)
+    ahead = None if term.lookahead is None else term.lookahead.to(device)
     return dataclasses.replace(
         term,
         targets=tg,
@@ -287,6 +330,7 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
         chunks=term.chunks.to(device).long(),
         chunk_mask=mask,
         first_t=first_t,
+        lookahead=ahead,
     )
 
 
@@ -301,7 +345,8 @@ def _term_plan(term: KDTerm, labels_s: Tensor, kd_ratio: float, dtype: torch.dty
     weight = term.weight.to(device, dtype) if isinstance(term.weight, Tensor) else term.weight
     report = valid.to(dtype) * inv
     scaled = report * (weight * kd_ratio * term.temperature**2)
-    first = term.projection.first_piece[tg.topk_ids[:, 0].long()]
+    depth = 1 if term.lookahead is None else term.lookahead.shape[1]
+    first = term.projection.first_piece[depth_rows(tg, depth).topk_ids[:, 0].long()]
     _, _, t0, t1 = chunks.unbind(-1)
     return TermPlan(
         name=term.name,

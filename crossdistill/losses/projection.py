@@ -37,6 +37,7 @@ class VocabProjection:
     num_student: int
     exact: Tensor | None = None
     groups: PrefixGroups | None = None  # the byte-prefix target's groups (`teachers.N.target`)
+    joins: Joins | None = None  # the lookahead target's table (`teachers.N.target`)
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
@@ -104,9 +105,43 @@ class VocabProjection:
     def to(self, device: torch.device | str) -> VocabProjection:
         exact = None if self.exact is None else self.exact.to(device)
         groups = None if self.groups is None else self.groups.to(device)
+        joins = None if self.joins is None else self.joins.to(device)
         return VocabProjection(
-            self.pieces.to(device), self.weights.to(device), self.num_student, exact, groups
+            self.pieces.to(device), self.weights.to(device), self.num_student, exact, groups, joins
         )
+
+
+@dataclass
+class Joins:
+    """Student tokens as a known student token followed by a teacher token, for the lookahead
+    target: `keys [J]` sorted `a·num_teacher + x`, `values [J]` the student token whose bytes are
+    student token a's followed by teacher token x's."""
+
+    keys: Tensor
+    values: Tensor
+    num_teacher: int
+
+    @classmethod
+    def from_rows(cls, rows: Tensor, num_teacher: int, num_student: int) -> Joins:
+        """From `(a, x, v)` rows `[J, 3]` (`alignment.projection.build_joins`); rows naming ids
+        the models do not have (`a`, `v` ≥ `num_student`, `x` ≥ `num_teacher`) are dropped."""
+        a, x, v = rows.long().unbind(-1)
+        keep = (a < num_student) & (v < num_student) & (x < num_teacher)
+        keys = a[keep] * num_teacher + x[keep]
+        keys, order = keys.sort(stable=True)
+        return cls(keys, v[keep][order], num_teacher)
+
+    def lookup(self, a: Tensor, x: Tensor) -> Tensor:
+        """The student token spelling `a` then `x` (broadcast), −1 where there is none."""
+        if self.keys.numel() == 0:
+            return torch.full(torch.broadcast_shapes(a.shape, x.shape), -1, device=a.device)
+        key = a.long() * self.num_teacher + x.long()
+        at = torch.searchsorted(self.keys, key).clamp(max=self.keys.numel() - 1)
+        found = (self.keys[at] == key) & (a >= 0) & (x >= 0)
+        return torch.where(found, self.values[at], -1)
+
+    def to(self, device: torch.device | str) -> Joins:
+        return Joins(self.keys.to(device), self.values.to(device), self.num_teacher)
 
 
 @dataclass
@@ -239,21 +274,39 @@ def project_topk(
     that is the teacher's exact probability of the student token's bytes along the observed
     path. The distribution keeps its total; where no chunk is active the buckets are those of the
     first-piece target."""
+    flat, flat_logq, tail = topk_entries(
+        topk_ids, topk_logprobs, tail_logprob, projection, continuation
+    )
+    return merge_buckets(flat, flat_logq, tail, projection.num_student)
+
+
+def topk_entries(
+    topk_ids: Tensor,
+    topk_logprobs: Tensor,
+    tail_logprob: Tensor,
+    projection: VocabProjection,
+    continuation: Continuation | None = None,
+    drop: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`project_topk` before merging: student ids `[M, L]` (−1: none), their log-probs, and the
+    tail `[M]`. `drop [M, K]`: top-k entries whose mass goes elsewhere (left out here)."""
     teacher_ids = topk_ids.long()
     pieces = projection.pieces[teacher_ids]  # [M, K, P]
     log_w = projection.weights[teacher_ids].to(topk_logprobs.dtype).log()
     logq = torch.where(pieces >= 0, topk_logprobs.unsqueeze(-1) + log_w, NEG_INF)
     unmapped = ~(pieces >= 0).any(-1)  # [M, K]: the whole entry goes to the tail
+    if drop is not None:
+        logq = torch.where(drop.unsqueeze(-1), NEG_INF, logq)
+        unmapped = unmapped & ~drop
     lost = torch.where(unmapped, topk_logprobs, NEG_INF).logsumexp(-1)
     tail = torch.logaddexp(tail_logprob, lost)
     # logaddexp(-inf, -inf) is nan on some builds: keep an empty tail empty
     tail = torch.where((tail_logprob == NEG_INF) & (lost == NEG_INF), NEG_INF, tail)
-    flat, flat_logq = pieces.flatten(-2), logq.flatten(-2)
     if continuation is not None:
-        flat, flat_logq, tail = _split_observed(
+        return _split_observed(
             teacher_ids, topk_logprobs, unmapped, logq, pieces, tail, continuation
         )
-    return merge_buckets(flat, flat_logq, tail, projection.num_student)
+    return pieces.flatten(-2), logq.flatten(-2), tail
 
 
 def _split_observed(teacher_ids, topk_logprobs, unmapped, logq, pieces, tail, c: Continuation):

@@ -33,6 +33,7 @@ class TeacherTargets:
     next_logprobs: Tensor  # [N_t] float32 log-prob at τ = 1 of the next token; 0 where invalid
     next_valid: Tensor  # [N_t] bool: the position has a next token
     temperature: float = 1.0
+    depth: int = 1  # top-k rows per chunk: 1, or D for the lookahead target (`target_rows`)
 
     @staticmethod
     def bytes_per_kd_position(top_k: int) -> int:
@@ -41,7 +42,7 @@ class TeacherTargets:
     BYTES_PER_TOKEN = 5
 
     def nbytes(self) -> int:
-        return sum(getattr(self, f.name).nbytes for f in fields(self) if f.name != "temperature")
+        return sum(t.nbytes for t in self.tensors().values())
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> TeacherTargets:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -50,12 +51,16 @@ class TeacherTargets:
         return self._map(lambda t: t.pin_memory())
 
     def tensors(self) -> dict[str, Tensor]:
-        """The tensors by field name (for safetensors caches); `temperature` is metadata."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "temperature"}
+        """The tensors by field name (for safetensors caches); `temperature`, `depth` are
+        metadata."""
+        meta = ("temperature", "depth")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in meta}
 
     def _map(self, fn) -> TeacherTargets:
         return TeacherTargets(
-            **{k: fn(v) for k, v in self.tensors().items()}, temperature=self.temperature
+            **{k: fn(v) for k, v in self.tensors().items()},
+            temperature=self.temperature,
+            depth=self.depth,
         )
 
 
@@ -66,6 +71,30 @@ def kd_positions(chunks: Tensor) -> tuple[Tensor, Tensor]:
     s0, s1, t0, t1 = chunks.unbind(-1)
     ok = (s0 > 0) & (t0 > 0) & (s1 > s0) & (t1 > t0)
     return torch.where(ok, s0 - 1, -1), torch.where(ok, t0 - 1, -1)
+
+
+def target_rows(chunks: Tensor, depth: int = 1) -> Tensor:
+    """Teacher rows `[C·depth]` whose top-k the loss reads: per chunk, its KD row `t0 − 1`
+    (`kd_positions`) and, for the lookahead target (`depth` > 1), the `depth − 1` rows after it
+    that predict the chunk's later teacher tokens (−1 past the chunk's end)."""
+    _, kd = kd_positions(chunks)
+    if depth == 1:
+        return kd
+    t0, t1 = chunks[:, 2], chunks[:, 3]
+    d = torch.arange(depth, device=chunks.device)
+    rows = kd.unsqueeze(-1) + d
+    inside = (kd >= 0).unsqueeze(-1) & (t0.unsqueeze(-1) + d < t1.unsqueeze(-1))
+    return torch.where(inside, rows, -1).flatten()
+
+
+def chunk_tokens(input_ids_t: Tensor, chunks: Tensor, depth: int) -> Tensor:
+    """`[C, depth]` the first `depth` teacher token ids of each chunk (−1 past its end), from
+    the flattened teacher inputs `[N_t]`."""
+    t0, t1 = chunks[:, 2], chunks[:, 3]
+    at = t0.unsqueeze(-1) + torch.arange(depth, device=chunks.device)
+    inside = at < t1.unsqueeze(-1)
+    n = input_ids_t.shape[0]
+    return torch.where(inside, input_ids_t[at.clamp(max=n - 1)].long(), -1)
 
 
 def _logits(hidden: Tensor, weight: Tensor, out_dtype: torch.dtype) -> Tensor:

@@ -1,0 +1,137 @@
+"""The lookahead target: what the teacher says at its later positions inside a student token.
+
+Where a chunk is one student token over m > 1 teacher tokens `t_0 … t_{m−1}` (the student's
+token runs past the teacher's first one), the first-piece target gives the teacher's mass of
+`t_0` to `t_0`'s first student piece, and the context target gives the part that continues to
+the student's observed token to that token. Both ignore what the teacher predicts at positions
+1 … m − 1 along the observed path, where it says how the text goes on after `t_0`: after Llama-2's
+`.`, how likely `append`, `get`, `items` are — which are Llama-3's `.append`, `.get`, `.items`.
+
+The lookahead target follows the observed path for up to D − 1 more teacher positions. With
+`a_d` the student token spelling `t_0 … t_{d−1}` (`a_1` the exact student match of `t_0`,
+`a_{d+1}` the join of `a_d` and `t_d`; the path stops where there is none) and `M_d` the
+teacher's probability of that prefix, depth d's top-k entry x ≠ `t_d` gets `M_d·p_d(x)` on the
+student token spelling `a_d` then x (`Joins`), or on `a_d` where the student has none; its tail
+`M_d·tail_d` joins the tail; `t_d` carries `M_{d+1}` to the next depth. Where the path ends at
+the chunk's end, `M_m` goes to the student's observed token; where it stops earlier (depth
+limit, no student prefix token), `M_S` splits as the context target does: `M_S·r` to the
+observed token (r: the teacher's τ = 1 probability of the rest of the chunk), `M_S·(1 − r)` to
+the last prefix token. Depth 0 keeps the first-piece entries for every x ≠ `t_0`. Nothing is
+dropped: the buckets and the tail still sum to the teacher's total. A chunk that does not
+expand (one teacher token, or no student token for `t_0`) gets the context target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from crossdistill.errors import UserError
+from crossdistill.losses.projection import (
+    Buckets,
+    Continuation,
+    VocabProjection,
+    merge_buckets,
+    topk_entries,
+)
+
+NEG_INF = float("-inf")
+
+# Teacher positions read per student token: the KD position and up to three more along the
+# observed path (a Llama-3 token spans at most four Llama-2 tokens at 99% of KD positions).
+LOOKAHEAD_DEPTH = 4
+
+
+def target_depth(target: str, same_as_student: bool) -> int:
+    """Top-k rows per chunk a teacher's targets hold: `LOOKAHEAD_DEPTH` for the lookahead target
+    of a teacher with its own tokenizer, else 1 (the KD position only)."""
+    return LOOKAHEAD_DEPTH if target == "lookahead" and not same_as_student else 1
+
+
+def _log_add(a: Tensor, b: Tensor) -> Tensor:
+    """log(e^a + e^b), −inf when both are (logaddexp of two −inf is nan on some builds)."""
+    both = (a == NEG_INF) & (b == NEG_INF)
+    return torch.where(both, NEG_INF, torch.logaddexp(a, b))
+
+
+def _log1m_exp(x: Tensor) -> Tensor:
+    """log(1 − e^x) for x ≤ 0 (−inf at x = 0)."""
+    return torch.log1p(-x.clamp(max=0.0).exp())
+
+
+def prefix_chain(observed: Tensor, projection: VocabProjection, depth: int) -> Tensor:
+    """`[C, depth + 1]` the student token spelling the first d observed teacher tokens of each
+    chunk (column d; column 0 is −1), −1 from where there is none."""
+    if projection.exact is None or projection.joins is None:
+        raise UserError(
+            "the lookahead target needs the projection's exact matches and its join table; "
+            "build the projection with train.build.build_projection_for (target lookahead)"
+        )
+    obs = observed.long()
+    t0 = obs[:, 0].clamp(min=0)
+    a = torch.where((obs[:, 0] >= 0) & projection.exact[t0], projection.first_piece[t0], -1)
+    chain = [torch.full_like(a, -1), a]
+    for d in range(1, depth):
+        x = obs[:, d] if d < obs.shape[1] else torch.full_like(a, -1)
+        chain.append(projection.joins.lookup(chain[-1], x))
+    return torch.stack(chain, -1)
+
+
+def project_lookahead(
+    topk_ids: Tensor,
+    topk_logprobs: Tensor,
+    tail_logprob: Tensor,
+    projection: VocabProjection,
+    continuation: Continuation,
+    observed: Tensor,
+    length: Tensor,
+    log_rest: Tensor,
+) -> Buckets:
+    """The lookahead target's buckets `[C, L]` (module docstring).
+
+    `topk_* [C, D, K]`, `tail_logprob [C, D]`: the teacher's top-k at each chunk's KD position
+    (depth 0) and the D − 1 positions after it; `observed [C, D]` the chunk's teacher tokens
+    (−1 past its end or where the target does not apply); `length [C]` its teacher tokens;
+    `log_rest [C, D + 1]` at τ = 1, column d: the log-probability of the chunk's teacher tokens
+    from `t_d` to its end (0 past it); `continuation` as for the context target."""
+    depth = topk_ids.shape[1]
+    ids, lp, obs = topk_ids.long(), topk_logprobs, observed.long()
+    chain = prefix_chain(obs, projection, depth)
+    start = continuation.active & (continuation.label >= 0) & (chain[:, 1] >= 0) & (depth > 1)
+    hit0 = (ids[:, 0] == obs[:, :1]) & start.unsqueeze(-1)
+    expand = hit0.any(-1)
+    cont0 = dataclasses.replace(continuation, active=continuation.active & ~expand)
+    flat, flat_logq, tail = topk_entries(
+        ids[:, 0], lp[:, 0], tail_logprob[:, 0], projection, cont0, drop=hit0
+    )
+    entries, values = [flat], [flat_logq]
+    mass = torch.where(expand, torch.where(hit0, lp[:, 0], NEG_INF).logsumexp(-1), NEG_INF)
+    live, label = expand, continuation.label.long()
+    for d in range(1, depth):
+        a_d, a_next = chain[:, d], chain[:, d + 1]
+        is_obs = (ids[:, d] == obs[:, d : d + 1]) & (obs[:, d : d + 1] >= 0)
+        joined = projection.joins.lookup(a_d.unsqueeze(-1), ids[:, d])
+        alt = torch.where(live.unsqueeze(-1) & ~is_obs, mass.unsqueeze(-1) + lp[:, d], NEG_INF)
+        entries.append(
+            torch.where(alt > NEG_INF, torch.where(joined >= 0, joined, a_d[:, None]), -1)
+        )
+        values.append(alt)
+        tail = _log_add(tail, torch.where(live, mass + tail_logprob[:, d], NEG_INF))
+        reached = torch.where(is_obs, lp[:, d], NEG_INF).logsumexp(-1) + mass
+        reached = torch.where(live, reached, NEG_INF)
+        at_end = length <= d + 1
+        go_on = (reached > NEG_INF) & ~at_end & (d + 1 < depth) & (a_next >= 0)
+        stop = (reached > NEG_INF) & ~go_on
+        rest = torch.where(at_end, 0.0, log_rest[:, d + 1].to(lp.dtype).clamp(max=0.0))
+        to_label = torch.where(stop, reached + rest, NEG_INF)
+        to_prefix = torch.where(stop & ~at_end, reached + _log1m_exp(rest), NEG_INF)
+        prefix = torch.where(a_next >= 0, a_next, a_d)
+        entries += [torch.where(to_label > NEG_INF, label, -1).unsqueeze(-1)]
+        entries += [torch.where(to_prefix > NEG_INF, prefix, -1).unsqueeze(-1)]
+        values += [to_label.unsqueeze(-1), to_prefix.unsqueeze(-1)]
+        mass, live = torch.where(go_on, reached, NEG_INF), go_on
+    return merge_buckets(
+        torch.cat(entries, -1), torch.cat(values, -1), tail, projection.num_student
+    )

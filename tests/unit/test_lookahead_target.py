@@ -1,0 +1,329 @@
+"""The lookahead target (`teachers.N.target: lookahead`): at a chunk of one student token over
+several teacher tokens, the teacher's top-k at its later positions along the observed path
+give each alternative continuation to the student token that spells it.
+
+- `project_lookahead` against a reference written out plainly here on toy byte vocabularies
+  (per chunk, a walk down the observed path with dictionaries of bytes, in float64), at depth
+  limits that cut paths short and that do not, with observed tokens outside the top-k;
+- the plan end to end: targets from `teacher_targets` at `target_rows`, the chunk's teacher
+  tokens from `chunk_tokens`, the buckets per student row against the same reference;
+- what it reduces to: the first-piece target where every chunk has one teacher token, the
+  context target at depth 1; nothing is lost (buckets and tail sum to 1);
+- the join table on real tokenizers (Llama-3 student, Llama-2 teacher);
+- a `train()` run, and the refusal with a teacher cache.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+from crossdistill.alignment.projection import joins_of
+from crossdistill.alignment.token_bytes import TokenBytes
+from crossdistill.losses import (
+    Joins,
+    KDTerm,
+    VocabProjection,
+    chunk_tokens,
+    kd_count,
+    project_topk,
+    target_rows,
+    teacher_targets,
+)
+from crossdistill.losses.lookahead import project_lookahead
+from crossdistill.losses.plan import build_plan
+from crossdistill.losses.projection import Buckets, Continuation
+from tests.unit.test_losses_targets import _from_buckets
+
+F64 = torch.float64
+NEG_INF = float("-inf")
+TAIL = "tail"
+
+
+class Toy:
+    """Toy byte vocabularies over `abc`: the student has every string of 1–3 letters but a
+    random fifth of those of 2–3 (so some joins are missing), the teacher the letters and a
+    few pairs. The projection is the first piece (the longest student token the teacher
+    token's bytes start with) with exact matches flagged."""
+
+    def __init__(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        words = [bytes(w) for n in (1, 2, 3) for w in itertools.product(b"abc", repeat=n)]
+        drop = torch.rand(len(words), generator=gen) < 0.2
+        self.student = [w for w, d in zip(words, drop.tolist()) if len(w) == 1 or not d]
+        pairs = [bytes(w) for w in itertools.product(b"abc", repeat=2)]
+        pick = torch.randperm(len(pairs), generator=gen)[:4].tolist()
+        self.teacher = [b"a", b"b", b"c"] + [pairs[i] for i in pick]
+        self.s_id = {w: i for i, w in enumerate(self.student)}
+        first = []
+        for w in self.teacher:
+            cut = max(n for n in range(1, len(w) + 1) if w[:n] in self.s_id)
+            first.append(self.s_id[w[:cut]])
+        exact = torch.tensor([w in self.s_id for w in self.teacher])
+        self.proj = VocabProjection.from_first_piece(
+            torch.tensor(first), len(self.student), exact=exact
+        )
+        rows = joins_of(TokenBytes.from_pieces(self.teacher), TokenBytes.from_pieces(self.student))
+        self.proj.joins = Joins.from_rows(
+            torch.from_numpy(rows), len(self.teacher), len(self.student)
+        )
+
+    def split(self, word: bytes, gen) -> list[int]:
+        """A random teacher tokenisation of `word`."""
+        out, at = [], 0
+        while at < len(word):
+            fits = [t for t, w in enumerate(self.teacher) if word.startswith(w, at)]
+            t = fits[int(torch.randint(len(fits), (1,), generator=gen))]
+            out.append(t)
+            at += len(self.teacher[t])
+        return out
+
+
+def reference(toy: Toy, logp: list[list[float]], k: int, obs: list[int], label: int, depth: int):
+    """The target of one chunk, walked plainly: `logp[d]` the teacher's full log-probs at depth
+    d (τ = 1), its top-k the k largest; `obs` the chunk's teacher tokens; `label` the student's
+    token (−1: none)."""
+    out: dict = defaultdict(float)
+    top = [sorted(range(len(row)), key=lambda x: -row[x])[:k] for row in logp]
+    p = [[math.exp(v) for v in row] for row in logp]
+
+    def piece(x: int, mass: float) -> None:
+        out[int(toy.proj.first_piece[x])] += mass
+
+    def rest(d: int) -> float:
+        return math.exp(sum(logp[e][obs[e]] for e in range(d, len(obs))))
+
+    t0, m = obs[0], len(obs)
+    word0 = toy.teacher[t0]
+    active = m > 1 and label >= 0
+    expand = active and depth > 1 and word0 in toy.s_id and t0 in top[0]
+    for x in top[0]:
+        if x == t0 and expand:
+            continue
+        if x == t0 and active:  # the context target's split
+            out[label] += p[0][x] * rest(1)
+            piece(x, p[0][x] * (1 - rest(1)))
+        else:
+            piece(x, p[0][x])
+    out[TAIL] += 1 - sum(p[0][x] for x in top[0])
+
+    def walk(d: int, mass: float, prefix: bytes) -> None:
+        a = toy.s_id[prefix]
+        for x in top[d]:
+            if x != obs[d]:
+                out[toy.s_id.get(prefix + toy.teacher[x], a)] += mass * p[d][x]
+        out[TAIL] += mass * (1 - sum(p[d][x] for x in top[d]))
+        if obs[d] not in top[d]:
+            return
+        mass *= p[d][obs[d]]
+        if d + 1 == m:
+            out[label] += mass
+            return
+        nxt = prefix + toy.teacher[obs[d]]
+        if d + 1 < depth and nxt in toy.s_id:
+            walk(d + 1, mass, nxt)
+            return
+        out[label] += mass * rest(d + 1)
+        out[toy.s_id.get(nxt, a)] += mass * (1 - rest(d + 1))
+
+    if expand:
+        walk(1, p[0][t0], word0)
+    return out
+
+
+def dense(out: dict, num_student: int) -> torch.Tensor:
+    row = torch.zeros(num_student + 1, dtype=F64)
+    for key, v in out.items():
+        row[num_student if key == TAIL else key] += v
+    return row
+
+
+def toy_chunks(toy: Toy, seed: int, count: int, depth: int, k: int):
+    """`count` chunks of one student token each, with random teacher log-probs at `depth`
+    positions; about one in five a single teacher token."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    rows = []
+    for _ in range(count):
+        word = toy.student[int(torch.randint(len(toy.student), (1,), generator=gen))]
+        obs = toy.split(word, gen)
+        logp = torch.randn(depth, len(toy.teacher), generator=gen, dtype=F64) * 2
+        rows.append((toy.s_id[word], obs, logp.log_softmax(-1)))
+    return rows
+
+
+def stacked(rows, depth: int, k: int):
+    """The per-chunk inputs `project_lookahead` takes, from `toy_chunks` rows."""
+    logp = torch.stack([lp for _, _, lp in rows])  # [C, D, V_t]
+    top, ids = logp.topk(k, -1)
+    tail = logp.scatter(-1, ids, NEG_INF).logsumexp(-1)
+    obs = torch.tensor([(o + [-1] * depth)[:depth] for _, o, _ in rows])
+    length = torch.tensor([len(o) for _, o, _ in rows])
+    rest = torch.zeros(len(rows), depth + 1, dtype=F64)
+    for c, (_, o, lp) in enumerate(rows):
+        for d in range(depth + 1):
+            rest[c, d] = sum(float(lp[e, o[e]]) for e in range(d, min(len(o), depth)))
+    label = torch.tensor([w for w, _, _ in rows])
+    cont = Continuation(obs[:, 0], label, rest[:, 1], length > 1)
+    return ids, top, tail, obs, length, rest, cont
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_matches_plain_reference(seed, depth):
+    toy, k = Toy(seed), 4
+    rows = [r for r in toy_chunks(toy, seed, 120, depth, k) if len(r[1]) <= depth]
+    ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    got = _from_buckets(
+        project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), len(toy.student)
+    )
+    for c, (label, o, lp) in enumerate(rows):
+        want = dense(reference(toy, lp.tolist(), k, o, label, depth), len(toy.student))
+        torch.testing.assert_close(got[c], want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.sum(-1), torch.ones(len(rows), dtype=F64))
+    assert not got.isnan().any() and (got >= -1e-15).all()
+    first = _from_buckets(
+        project_topk(ids[:, 0], top[:, 0], tail[:, 0], toy.proj, cont), len(toy.student)
+    )
+    changed = (got - first).abs().sum(-1) > 1e-12
+    assert 8 < int(changed.sum()) < len(rows)  # the draw exercises both cases
+
+
+def test_depth_limit_and_missing_prefixes_split_like_the_context_target():
+    """Paths longer than the depth limit: the rest of the chunk's mass splits at the limit."""
+    toy, k, depth = Toy(7), 5, 2
+    rows = [r for r in toy_chunks(toy, 7, 80, 3, k) if len(r[1]) == 3]
+    assert len(rows) > 5
+    cut = [(w, o, lp[:depth]) for w, o, lp in rows]
+    ids, top, tail, obs, length, _, cont = stacked(cut, depth, k)
+    rest = torch.zeros(len(rows), depth + 1, dtype=F64)
+    for c, (_, o, lp) in enumerate(rows):
+        for d in range(depth + 1):
+            rest[c, d] = sum(float(lp[e, o[e]]) for e in range(d, len(o)))
+    cont.log_rest = rest[:, 1]
+    got = _from_buckets(
+        project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), len(toy.student)
+    )
+    for c, (label, o, lp) in enumerate(rows):
+        want = dense(reference(toy, lp.tolist(), k, o, label, depth), len(toy.student))
+        torch.testing.assert_close(got[c], want, rtol=1e-12, atol=1e-14)
+
+
+def test_reduces_to_the_first_piece_and_context_targets():
+    toy, k = Toy(3), 4
+    rows = toy_chunks(toy, 3, 50, 3, k)
+    ids, top, tail, obs, length, rest, cont = stacked([r for r in rows if len(r[1]) <= 3], 3, k)
+    # depth 1: the context target exactly
+    one = project_lookahead(
+        ids[:, :1], top[:, :1], tail[:, :1], toy.proj, cont, obs[:, :1], length, rest[:, :2]
+    )
+    ctx = project_topk(ids[:, 0], top[:, 0], tail[:, 0], toy.proj, cont)
+    assert torch.equal(_from_buckets(one, len(toy.student)), _from_buckets(ctx, len(toy.student)))
+    # chunks of one teacher token: the first-piece target exactly
+    single = length == 1
+    assert int(single.sum()) > 3
+    sel = [x[single] for x in (ids, top, tail, obs, length, rest)]
+    cont1 = Continuation(
+        *(x[single] for x in (cont.first_t, cont.label, cont.log_rest, cont.active))
+    )
+    got = project_lookahead(sel[0], sel[1], sel[2], toy.proj, cont1, sel[3], sel[4], sel[5])
+    plain = project_topk(sel[0][:, 0], sel[1][:, 0], sel[2][:, 0], toy.proj)
+    assert torch.equal(_from_buckets(got, len(toy.student)), _from_buckets(plain, len(toy.student)))
+
+
+def test_plan_reads_targets_at_the_rows_after_the_kd_position():
+    """One text as student tokens (one chunk each) and teacher tokens; the teacher's logits at
+    random; `teacher_targets` at `target_rows`, the term's tokens from `chunk_tokens`, and the
+    buckets `build_plan` lays out per student row against the plain reference."""
+    toy, k, depth = Toy(11), 4, 3
+    gen = torch.Generator().manual_seed(5)
+    words = [toy.student[int(i)] for i in torch.randint(len(toy.student), (40,), generator=gen)]
+    pieces = [toy.split(w, gen) for w in words]
+    ids_s = torch.tensor([toy.s_id[w] for w in words])
+    ids_t = torch.tensor([t for p in pieces for t in p])
+    starts = [0] + list(itertools.accumulate(len(p) for p in pieces))
+    chunks = torch.tensor([[i, i + 1, starts[i], starts[i + 1]] for i in range(len(words))])
+    logits = torch.randn(len(ids_t), len(toy.teacher), generator=gen, dtype=F64) * 2
+    next_t = torch.cat([ids_t[1:], torch.tensor([-1])])
+    targets = teacher_targets(
+        logits, torch.eye(len(toy.teacher), dtype=F64), target_rows(chunks, depth), next_t, k
+    )
+    targets.depth = depth
+    labels = torch.cat([ids_s[1:], torch.tensor([-100])])
+    term = KDTerm(
+        targets, toy.proj, chunks, torch.tensor(1.0), lookahead=chunk_tokens(ids_t, chunks, depth)
+    )
+    term.denominator = kd_count(term, labels).double()
+    part = build_plan(labels, [term], 0.5, 1.0, F64).terms[0].parts[0]
+    got = _from_buckets(Buckets(part.ids, part.logq, part.valid, part.logq_tail), len(toy.student))
+    logp = logits.log_softmax(-1)
+    checked = 0
+    for c in range(1, len(words)):
+        o = pieces[c]
+        if len(o) > depth:
+            continue
+        row = starts[c] - 1
+        lp = [logp[row + d].tolist() for d in range(depth)]
+        want = dense(reference(toy, lp, k, o, int(ids_s[c]), depth), len(toy.student))
+        torch.testing.assert_close(got[c - 1], want, rtol=1e-10, atol=1e-12)
+        checked += 1
+    assert checked > 20
+
+
+def test_real_joins_spell_their_student_token(real_tokenizer):
+    from crossdistill.alignment.projection import build_joins
+
+    tok_s, tok_t = real_tokenizer("llama3"), real_tokenizer("llama2")
+    rows = build_joins(tok_t, tok_s)
+    pieces_s = TokenBytes.from_tokenizer(tok_s).pieces()
+    pieces_t = TokenBytes.from_tokenizer(tok_t).pieces()
+    assert len(rows) > 100_000
+    for a, x, v in rows[:: max(1, len(rows) // 3000)].tolist():
+        assert pieces_s[v] == pieces_s[a] + pieces_t[x]
+    joins = Joins.from_rows(torch.from_numpy(rows), len(pieces_t), len(pieces_s))
+    for word, head, tail in ((".append", ".", "append"), (" getattr", " get", "attr")):
+        (v,) = tok_s.encode(word, add_special_tokens=False)
+        (a,) = tok_s.encode(head, add_special_tokens=False)
+        x = next(i for i, p in enumerate(pieces_t) if p == tail.encode())
+        assert int(joins.lookup(torch.tensor([a]), torch.tensor([x]))) == v
+
+
+def test_a_run_with_the_lookahead_target_trains_and_differs_from_context(tmp_path, tokenizer_dir):
+    """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
+    finite losses, and a first KD value that is not the context target's (the later positions
+    are read). The untrained teacher is nearly uniform: a top-k of its whole vocabulary holds
+    the observed token wherever a path starts."""
+    import json
+
+    from crossdistill.train.loop import train
+    from tests.distributed import _harness as h
+
+    kd = {}
+    for target in ("context", "lookahead"):
+        cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
+        cfg.teachers[0].target, cfg.teachers[0].top_k = target, 50304
+        train(cfg)
+        rows = [json.loads(x) for x in (tmp_path / target / "run" / "metrics.jsonl").open()]
+        train_rows = [r for r in rows if "loss" in r]
+        assert train_rows and all(math.isfinite(r["loss"]) for r in train_rows)
+        name = f"kd/{cfg.teachers[0].name}"
+        kd[target] = next(r[name] for r in train_rows if name in r)
+        assert kd[target] > 0
+    assert abs(kd["lookahead"] - kd["context"]) > 1e-6 * kd["context"]
+
+
+def test_a_teacher_cache_is_refused(tmp_path, tokenizer_dir):
+    from crossdistill.errors import UserError
+    from crossdistill.train.validate import validate_config
+    from tests.distributed import _harness as h
+
+    cfg = h.trainer_config(tmp_path, tokenizer_dir, 2, eval_every=2)
+    cfg.teachers[0].target, cfg.teachers[0].loss = "lookahead", "chunk_likelihood"
+    with pytest.raises(UserError, match="target = lookahead needs a projected loss"):
+        validate_config(cfg)
+    cfg.teachers[0].loss, cfg.teachers[0].cache = "forward_kl", str(tmp_path / "cache")
+    with pytest.raises(UserError, match="a teacher cache holds one"):
+        validate_config(cfg)
