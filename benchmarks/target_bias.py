@@ -22,6 +22,18 @@ positions where the observed teacher token's event is the group the observed stu
 belongs to (the teacher's mass of the text that follows lands on a group holding the student's
 token).
 
+Over the `multi` KD positions (share of all KD positions), those whose chunk is one student
+token over m > 1 teacher tokens `t_0 … t_{m−1}`, it counts what the lookahead target
+(`teachers.N.target: lookahead`, `losses.lookahead`) reads there, as shares of the multi
+positions (`*_of_kd`: the same counts as shares of all KD positions):
+
+- `lookahead_started`: the path starts, a student token spells `t_0` (`a_1`), so the teacher's
+  positions after the KD position are read;
+- `lookahead_reach`: the path follows the observed teacher tokens all the way to the student's
+  token within `LOOKAHEAD_DEPTH` teacher positions: m ≤ D and, for every d < m, the bytes of
+  `t_0 … t_d` are a student token (`a_{d+1}`; the last is the student's token itself);
+- `multi_length`: the shares of the multi positions with m = 2, 3, 4 and more.
+
     python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
         --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--json]
 
@@ -43,7 +55,7 @@ from crossdistill.alignment import align  # noqa: E402
 from crossdistill.alignment.projection import build_projection  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
 from crossdistill.bench.quality import corpus_pieces  # noqa: E402
-from crossdistill.losses import PrefixGroups  # noqa: E402
+from crossdistill.losses import LOOKAHEAD_DEPTH, PrefixGroups  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 from crossdistill.train.audit import FIRST_PIECE_KINDS as KINDS  # noqa: E402
 from crossdistill.train.audit import first_bytes, first_piece_kinds  # noqa: E402
@@ -59,7 +71,19 @@ def texts_of(corpora: list[str], limit: int) -> list[str]:
     return first_bytes(pieces, limit)
 
 
-def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
+def path_length(ids_t, pieces_t: list[bytes], known: set[bytes]) -> int:
+    """How many of the teacher tokens `ids_t` the lookahead target's path follows: the largest d
+    such that the bytes of each of their first 1 … d tokens are a student token (`known`)."""
+    spelled = b""
+    for d, t in enumerate(ids_t):
+        piece = pieces_t[t]
+        if not piece or spelled + piece not in known:
+            return d
+        spelled += piece
+    return len(ids_t)
+
+
+def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
     forward = build_projection(tok_t, tok_s).first_piece
     first = forward.numpy()
@@ -67,6 +91,9 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     event_s, event_t = groups.student_event.numpy(), groups.teacher_event.first_piece.numpy()
     counts = dict.fromkeys(KINDS, 0)
     label_bytes = target_bytes = predicted = prefix_right = 0
+    pieces_t, known = bytes_t.pieces(), {p for p in bytes_s.pieces() if p}
+    lengths = np.zeros(LOOKAHEAD_DEPTH + 2, dtype=np.int64)  # multi positions by m, m > D as D + 1
+    reach = started = 0
     enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     enc_t = tok_t.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     for es, et in zip(enc_s, enc_t):
@@ -81,8 +108,15 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
         prefix_right += int((event_s[label] == event_t[ids_t[at[:, 2]]]).sum())
         label_bytes += int(bytes_s.lengths[label[~right]].sum())
         target_bytes += int(bytes_s.lengths[target[~right & (target >= 0)]].sum())
+        multi = at[(at[:, 1] - at[:, 0] == 1) & (at[:, 3] - at[:, 2] > 1)]
+        m = np.minimum(multi[:, 3] - multi[:, 2], LOOKAHEAD_DEPTH + 1)
+        lengths += np.bincount(m, minlength=lengths.size)
+        for t0, t1 in multi[:, 2:].tolist():
+            followed = path_length(ids_t[t0 : min(t1, t0 + LOOKAHEAD_DEPTH)], pieces_t, known)
+            started += followed > 0
+            reach += followed == t1 - t0
     total = sum(counts.values())
-    out: dict[str, float] = {"kd_positions": total}
+    out: dict = {"kd_positions": total}
     out.update({k: v / max(total, 1) for k, v in counts.items()})
     wrong = total - counts["right"]
     out["label_bytes_where_wrong"] = label_bytes / max(wrong, 1)
@@ -91,6 +125,14 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict[str, float]:
     # rest sit inside chunks of several student tokens and get CE only
     out["student_positions_with_kd"] = total / max(predicted, 1)
     out["prefix_right"] = prefix_right / max(total, 1)
+    n_multi = int(lengths.sum())
+    out["multi"] = n_multi / max(total, 1)
+    out["lookahead_reach"] = reach / max(n_multi, 1)
+    out["lookahead_started"] = started / max(n_multi, 1)
+    out["lookahead_reach_of_kd"] = reach / max(total, 1)
+    out["lookahead_started_of_kd"] = started / max(total, 1)
+    names = [str(k) for k in range(2, LOOKAHEAD_DEPTH + 1)] + [f">{LOOKAHEAD_DEPTH}"]
+    out["multi_length"] = {k: int(v) / max(n_multi, 1) for k, v in zip(names, lengths[2:])}
     return out
 
 
@@ -125,6 +167,18 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{r[k]:.1%}" for k in KINDS)
         tail = f"{r['student_positions_with_kd']:.1%} | {r['prefix_right']:.1%}"
         print(f"| {path} | {r['kd_positions']} | {cells} | {tail} |")
+    names = list(next(iter(rows.values()))["multi_length"])
+    print(
+        "\n| teacher | multi (of KD positions) | lookahead started (of multi) "
+        "| lookahead reach (of multi) | "
+        + " | ".join(f"m {k}" if k[0] == ">" else f"m = {k}" for k in names)
+        + " |"
+    )
+    print("|---" * (4 + len(names)) + "|")
+    for path, r in rows.items():
+        cells = " | ".join(f"{r[k]:.1%}" for k in ("multi", "lookahead_started", "lookahead_reach"))
+        tail = " | ".join(f"{v:.1%}" for v in r["multi_length"].values())
+        print(f"| {path} | {cells} | {tail} |")
     return 0
 
 

@@ -237,6 +237,15 @@ def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     assert far["label_bytes_where_wrong"] > far["target_bytes_where_wrong"]
     # the prefix target's groups hold the observed token wherever the first piece missed it
     assert same["prefix_right"] == 1.0 and far["prefix_right"] > far["right"] + 0.05
+    # the lookahead target: no chunk of one student token over several teacher tokens under an
+    # identical teacher; under Llama-2 the path starts wherever it reaches, and the counts agree
+    # as shares of the multi positions and of all KD positions
+    assert same["multi"] == 0.0 and same["lookahead_reach"] == 0.0
+    assert 0.0 < far["multi"] <= far["student_longer"] + far["right"]
+    assert 0.0 < far["lookahead_reach"] <= far["lookahead_started"] <= 1.0
+    assert far["lookahead_reach_of_kd"] == pytest.approx(far["lookahead_reach"] * far["multi"])
+    assert list(far["multi_length"]) == ["2", "3", "4", ">4"]
+    assert sum(far["multi_length"].values()) == pytest.approx(1.0)
 
 
 def test_student_noise_script_repeats_one_config_identically_on_cpu(tokenizer_dir, tmp_path):
