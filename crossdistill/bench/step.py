@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from crossdistill.config import ATTENTION_CHOICES, CHECKPOINT_SCOPES
+from crossdistill.config import ATTENTION_CHOICES, CHECKPOINT_SCOPES, TARGETS, TeacherConfig
 
 DATASHEET_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 EXAMPLES = """examples:
@@ -64,6 +64,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--loss", default="forward_kl")
+    p.add_argument(
+        "--target",
+        choices=TARGETS,
+        default=TeacherConfig.target,
+        help="the teachers' projected target (teachers.N.target)",
+    )
     p.add_argument("--loss-chunk-size", type=int, default=4096)
     p.add_argument(
         "--attention",

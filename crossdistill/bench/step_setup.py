@@ -102,6 +102,7 @@ def bench_config(args, corpus: Path, caches: list[str] | None = None) -> Config:
             dtype="bfloat16" if cuda else "float32",
             loss=args.loss,
             top_k=args.top_k,
+            target=getattr(args, "target", TeacherConfig.target),
             placement=getattr(args, "teacher_placement", "colocated"),
             ranks=getattr(args, "teacher_ranks", 1),
             **model,
