@@ -127,6 +127,24 @@ def runs(base):
         ("pp2xdp2-separate-dp2", ("qwen",), 6, None, {"student": PP2_DP2, **TEACHER_DP2}),
         # each stage context parallel over two ranks: both of the last stage's take the targets
         ("pp2xcp2-separate", ("qwen",), 5, None, {"student": PP2_CP2}),
+        # the lookahead target: D top-k rows per chunk travel (sized on both sides)
+        ("lookahead-colocated", (), 1, None, {"target": "lookahead"}),
+        ("lookahead-separate", ("qwen",), 2, None, {"target": "lookahead"}),
+        ("lookahead-pp2-separate", ("qwen",), 3, None, {"student": PP2, "target": "lookahead"}),
+        (
+            "lookahead-dp2-separate-tp2",
+            ("qwen",),
+            4,
+            None,
+            {"target": "lookahead", "ranks": 2, "parallel": {"tp": 2}},
+        ),
+        (
+            "lookahead-dp2-colocated-tp2",
+            (),
+            2,
+            None,
+            {"target": "lookahead", "ranks": 2, "parallel": {"tp": 2}},
+        ),
     ]
     out = {}
     for i, (key, separate, processes, stop, settings) in enumerate(cases):
@@ -137,6 +155,7 @@ def runs(base):
         # the qwen teacher on ranks of its own (or, colocated, over the student's) in a layout
         cfg.teachers[0].ranks = settings.get("ranks", 1)
         cfg.teachers[0].parallel = ParallelConfig(**settings.get("parallel", {}))
+        cfg.teachers[0].target = settings.get("target", "first_piece")
         _run(cfg, processes, root / f"errors{i}", stop_after=stop)
         out[key] = _metrics(Path(cfg.run.out_dir))
     return out
@@ -165,6 +184,18 @@ def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs, name, re
     over two of its own (its first rank sends), against the same teacher layout colocated
     (tensor parallelism sums the teacher's vocabulary in another order than one process)."""
     _assert_same(runs[name], runs[reference], name)
+
+
+def test_the_lookahead_target_travels_like_the_others(runs):
+    """Its targets hold several top-k rows per chunk: a separate teacher's stream, a pipeline's
+    last stage and a tensor-parallel teacher serving two data ranks size and read them as the
+    colocated runs do."""
+    ref = runs["lookahead-colocated"]
+    _assert_same(runs["lookahead-separate"], ref, "lookahead-separate")
+    _assert_same(runs["lookahead-pp2-separate"], ref, "lookahead-pp2", floor=PIPELINE_FLOOR)
+    _assert_same(
+        runs["lookahead-dp2-separate-tp2"], runs["lookahead-dp2-colocated-tp2"], "lookahead-tp2"
+    )
 
 
 def test_a_stopped_and_resumed_run_gives_the_uninterrupted_one(runs):
