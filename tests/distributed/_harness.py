@@ -130,6 +130,24 @@ def trainer_config(root: Path, tokenizer_dir: Any, steps: int, eval_every: int) 
     return cfg
 
 
+def first_kd(cfg: Config) -> float:
+    """Train `cfg` in this process; check every logged loss is finite and return teacher 0's
+    first logged KD value (> 0)."""
+    import json
+    import math
+
+    from crossdistill.train.loop import train
+
+    train(cfg)
+    rows = [json.loads(x) for x in (Path(cfg.run.out_dir) / "metrics.jsonl").open()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert train_rows and all(math.isfinite(r["loss"]) for r in train_rows)
+    name = f"kd/{cfg.teachers[0].name}"
+    kd = next(r[name] for r in train_rows if name in r)
+    assert kd > 0
+    return kd
+
+
 def write_corpus(folder: Path) -> Path:
     import json
 
