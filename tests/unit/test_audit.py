@@ -112,7 +112,7 @@ def test_a_pair_between_the_measured_ones_keeps_the_first_piece_and_says_to_comp
         }
 
     middle, warnings = recommend(report(0.88))
-    assert middle["target"] == "first_piece" and "--target context" in middle["why"]
+    assert middle["target"] == "first_piece" and "--target lookahead" in middle["why"]
     assert not warnings
     assert recommend(report(0.80))[0]["target"] == "lookahead"
     assert recommend(report(0.95))[0]["target"] == "first_piece"
