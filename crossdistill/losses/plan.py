@@ -301,18 +301,6 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
     )
 
 
-def depth_rows(targets: TeacherTargets, depth: int) -> TeacherTargets:
-    """The targets at each chunk's KD position only, from targets at `depth` rows per chunk."""
-    if depth == 1:
-        return targets
-    return dataclasses.replace(
-        targets,
-        topk_ids=targets.topk_ids[::depth],
-        topk_logprobs=targets.topk_logprobs[::depth],
-        tail_logprob=targets.tail_logprob[::depth],
-    )
-
-
 def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
     """The term with everything on the student's device and teacher log-probs in `dtype`
     (targets may come from another device or a CPU cache; `.to` is free where they are)."""
@@ -346,7 +334,7 @@ def _term_plan(term: KDTerm, labels_s: Tensor, kd_ratio: float, dtype: torch.dty
     report = valid.to(dtype) * inv
     scaled = report * (weight * kd_ratio * term.temperature**2)
     depth = 1 if term.lookahead is None else term.lookahead.shape[1]
-    first = term.projection.first_piece[depth_rows(tg, depth).topk_ids[:, 0].long()]
+    first = term.projection.first_piece[tg.topk_ids[::depth, 0].long()]  # the KD positions' rows
     _, _, t0, t1 = chunks.unbind(-1)
     return TermPlan(
         name=term.name,

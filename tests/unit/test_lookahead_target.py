@@ -142,7 +142,7 @@ def dense(out: dict, num_student: int) -> torch.Tensor:
     return row
 
 
-def toy_chunks(toy: Toy, seed: int, count: int, depth: int, k: int):
+def toy_chunks(toy: Toy, seed: int, count: int, depth: int):
     """`count` chunks of one student token each, with random teacher log-probs at `depth`
     positions; about one in five a single teacher token."""
     gen = torch.Generator().manual_seed(1000 + seed)
@@ -175,7 +175,7 @@ def stacked(rows, depth: int, k: int):
 @pytest.mark.parametrize("depth", [2, 3])
 def test_matches_plain_reference(seed, depth):
     toy, k = Toy(seed), 4
-    rows = [r for r in toy_chunks(toy, seed, 120, depth, k) if len(r[1]) <= depth]
+    rows = [r for r in toy_chunks(toy, seed, 120, depth) if len(r[1]) <= depth]
     ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
     got = _from_buckets(
         project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), len(toy.student)
@@ -195,7 +195,7 @@ def test_matches_plain_reference(seed, depth):
 def test_depth_limit_and_missing_prefixes_split_like_the_context_target():
     """Paths longer than the depth limit: the rest of the chunk's mass splits at the limit."""
     toy, k, depth = Toy(7), 5, 2
-    rows = [r for r in toy_chunks(toy, 7, 80, 3, k) if len(r[1]) == 3]
+    rows = [r for r in toy_chunks(toy, 7, 80, 3) if len(r[1]) == 3]
     assert len(rows) > 5
     cut = [(w, o, lp[:depth]) for w, o, lp in rows]
     ids, top, tail, obs, length, _, cont = stacked(cut, depth, k)
@@ -214,7 +214,7 @@ def test_depth_limit_and_missing_prefixes_split_like_the_context_target():
 
 def test_reduces_to_the_first_piece_and_context_targets():
     toy, k = Toy(3), 4
-    rows = toy_chunks(toy, 3, 50, 3, k)
+    rows = toy_chunks(toy, 3, 50, 3)
     ids, top, tail, obs, length, rest, cont = stacked([r for r in rows if len(r[1]) <= 3], 3, k)
     # depth 1: the context target exactly
     one = project_lookahead(
