@@ -41,6 +41,7 @@ from crossdistill.losses import (
     TeacherTargets,
     VocabProjection,
     chunk_tokens,
+    reads_past_end,
     target_depth,
     target_rows,
     teacher_targets,
@@ -204,7 +205,8 @@ class Placement:
         ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)
         labels = _to(tb.labels, self.device).flatten()
         depth = target_depth(slot.cfg.target, tb.same_as_student)
-        kd_rows = target_rows(_to(tb.chunks, self.device), depth)
+        past_end = depth > 1 and reads_past_end(slot.cfg.target)
+        kd_rows = target_rows(_to(tb.chunks, self.device), depth, past_end)
         if len(set(owners)) > 1:  # the teacher's group reads several ranks' data: run them all
             with record_function(EXCHANGE_INPUTS):
                 joint = _gather_inputs(ids, pos, labels.view(ids.shape), kd_rows, group, owners)
@@ -417,6 +419,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         name=slot.cfg.name,
         first_t=first_t,
         lookahead=ahead,
+        past_end=depth > 1 and reads_past_end(slot.cfg.target),
     )
 
 

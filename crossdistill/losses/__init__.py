@@ -8,7 +8,7 @@
   detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
   reference backend.
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
-  lookahead (`teachers.N.target`).
+  lookahead, lookahead past the student token's end (`teachers.N.target`).
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
   quantisation the teacher cache shares.
 
@@ -25,7 +25,12 @@ from crossdistill.losses.divergences import (
     tvd,
     uld,
 )
-from crossdistill.losses.lookahead import LOOKAHEAD_DEPTH, target_depth
+from crossdistill.losses.lookahead import (
+    LOOKAHEAD_DEPTH,
+    LOOKAHEAD_TARGETS,
+    reads_past_end,
+    target_depth,
+)
 from crossdistill.losses.objective import student_loss
 from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
 from crossdistill.losses.projection import (
@@ -46,6 +51,7 @@ from crossdistill.losses.targets import (
 
 __all__ = [
     "LOOKAHEAD_DEPTH",
+    "LOOKAHEAD_TARGETS",
     "LOSSES",
     "Buckets",
     "Joins",
@@ -66,6 +72,7 @@ __all__ = [
     "kd_valid",
     "next_token_nll",
     "project_topk",
+    "reads_past_end",
     "reverse_kl",
     "skew_kl",
     "student_loss",

@@ -19,6 +19,14 @@ observed token (r: the teacher's τ = 1 probability of the rest of the chunk), `
 the last prefix token. Depth 0 keeps the first-piece entries for every x ≠ `t_0`. Nothing is
 dropped: the buckets and the tail still sum to the teacher's total. A chunk that does not
 expand (one teacher token, or no student token for `t_0`) gets the context target.
+
+`lookahead_end` also reads one teacher position past the student token's end, at chunks of one
+or more teacher tokens alike. The mass `M` that reached the student's observed token s there is
+the teacher's probability of s's bytes, and part of it is text the student would spell with a
+longer token: after Llama-2's ` get`, the teacher's `attr` makes Llama-3's ` getattr`. That
+part, `M·p(x)` for every top-k entry x where the student has a token spelling s then x, goes to
+that token; s keeps the rest (the observed continuation, the other entries, the tail). Without
+it, every student token that extends a teacher token is short of that mass at every position.
 """
 
 from __future__ import annotations
@@ -45,10 +53,18 @@ NEG_INF = float("-inf")
 LOOKAHEAD_DEPTH = 4
 
 
+LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end")
+
+
 def target_depth(target: str, same_as_student: bool) -> int:
-    """Top-k rows per chunk a teacher's targets hold: `LOOKAHEAD_DEPTH` for the lookahead target
+    """Top-k rows per chunk a teacher's targets hold: `LOOKAHEAD_DEPTH` for a lookahead target
     of a teacher with its own tokenizer, else 1 (the KD position only)."""
-    return LOOKAHEAD_DEPTH if target == "lookahead" and not same_as_student else 1
+    return LOOKAHEAD_DEPTH if target in LOOKAHEAD_TARGETS and not same_as_student else 1
+
+
+def reads_past_end(target: str) -> bool:
+    """Whether the target reads the teacher's position after the student token's end."""
+    return target == "lookahead_end"
 
 
 def _log_add(a: Tensor, b: Tensor) -> Tensor:
@@ -89,6 +105,7 @@ def project_lookahead(
     observed: Tensor,
     length: Tensor,
     log_rest: Tensor,
+    single: Tensor | None = None,
 ) -> Buckets:
     """The lookahead target's buckets `[C, L]` (module docstring).
 
@@ -96,11 +113,18 @@ def project_lookahead(
     (depth 0) and the D − 1 positions after it; `observed [C, D]` the chunk's teacher tokens
     (−1 past its end or where the target does not apply); `length [C]` its teacher tokens;
     `log_rest [C, D + 1]` at τ = 1, column d: the log-probability of the chunk's teacher tokens
-    from `t_d` to its end (0 past it); `continuation` as for the context target."""
+    from `t_d` to its end (0 past it); `continuation` as for the context target. `single [C]`
+    (`lookahead_end`): chunks of one student token; the rows past a chunk's last teacher token
+    then hold the teacher's top-k at the position after it."""
     depth = topk_ids.shape[1]
     ids, lp, obs = topk_ids.long(), topk_logprobs, observed.long()
     chain = prefix_chain(obs, projection, depth)
-    start = continuation.active & (continuation.label >= 0) & (chain[:, 1] >= 0) & (depth > 1)
+    label = continuation.label.long()
+    ok = (label >= 0) & (chain[:, 1] >= 0) & (depth > 1)
+    start = continuation.active & ok
+    past_end = single is not None
+    if past_end:  # a chunk of one token on each side starts its path at its end
+        start = start | (single & ok & (length == 1) & (chain[:, 1] == label))
     hit0 = (ids[:, 0] == obs[:, :1]) & start.unsqueeze(-1)
     expand = hit0.any(-1)
     cont0 = dataclasses.replace(continuation, active=continuation.active & ~expand)
@@ -109,8 +133,12 @@ def project_lookahead(
     )
     entries, values = [flat], [flat_logq]
     mass = torch.where(expand, torch.where(hit0, lp[:, 0], NEG_INF).logsumexp(-1), NEG_INF)
-    live, label = expand, continuation.label.long()
+    ending = torch.where(expand & (length == 1), mass, NEG_INF)  # at the token's end
+    live = expand & (length > 1)
+    mass = torch.where(live, mass, NEG_INF)
     for d in range(1, depth):
+        if past_end:
+            ending = _end_step(ending, label, ids[:, d], lp[:, d], projection, entries, values)
         a_d, a_next = chain[:, d], chain[:, d + 1]
         is_obs = (ids[:, d] == obs[:, d : d + 1]) & (obs[:, d : d + 1] >= 0)
         joined = projection.joins.lookup(a_d.unsqueeze(-1), ids[:, d])
@@ -125,6 +153,9 @@ def project_lookahead(
         at_end = length <= d + 1
         go_on = (reached > NEG_INF) & ~at_end & (d + 1 < depth) & (a_next >= 0)
         stop = (reached > NEG_INF) & ~go_on
+        wait = stop & at_end & past_end & (d + 1 < depth)  # ends at the next depth
+        ending = torch.where(wait, reached, ending)
+        stop = stop & ~wait
         rest = torch.where(at_end, 0.0, log_rest[:, d + 1].to(lp.dtype).clamp(max=0.0))
         to_label = torch.where(stop, reached + rest, NEG_INF)
         to_prefix = torch.where(stop & ~at_end, reached + _log1m_exp(rest), NEG_INF)
@@ -136,3 +167,26 @@ def project_lookahead(
     return merge_buckets(
         torch.cat(entries, -1), torch.cat(values, -1), tail, projection.num_student
     )
+
+
+def _end_step(
+    ending: Tensor,
+    label: Tensor,
+    ids: Tensor,
+    lp: Tensor,
+    projection: VocabProjection,
+    entries: list[Tensor],
+    values: list[Tensor],
+) -> Tensor:
+    """`lookahead_end` at one depth: the mass `ending [C]` that reached the observed student
+    token `label` one position earlier moves `ending·p(x)` to the student token spelling label
+    then x, for every top-k entry x `[C, K]` with one; the label keeps the rest. Appends the
+    entries and returns a fresh `ending` (nothing waits past this depth)."""
+    joined = projection.joins.lookup(label.unsqueeze(-1), ids)
+    move = (ending > NEG_INF).unsqueeze(-1) & (joined >= 0) & (lp > NEG_INF)
+    entries.append(torch.where(move, joined, -1))
+    values.append(torch.where(move, ending.unsqueeze(-1) + lp, NEG_INF))
+    kept = ending + _log1m_exp(torch.where(move, lp, NEG_INF).logsumexp(-1))
+    entries.append(torch.where(kept > NEG_INF, label, -1).unsqueeze(-1))
+    values.append(kept.unsqueeze(-1))
+    return torch.full_like(ending, NEG_INF)

@@ -41,7 +41,8 @@ class KDTerm:
     losses use the context-aware target (`projection.Continuation`), without it the first-piece
     target. `lookahead [C, D]`: the chunk's first D teacher token ids (−1 past its end); with it,
     `targets` hold D rows per chunk (`targets.target_rows(chunks, D)`: the KD position and the
-    D − 1 after it) and the projected losses use the lookahead target (`losses.lookahead`)."""
+    D − 1 after it) and the projected losses use the lookahead target (`losses.lookahead`);
+    `past_end` (`lookahead_end`): the rows past a chunk's last teacher token are read too."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -54,6 +55,7 @@ class KDTerm:
     name: str = "teacher"
     first_t: Tensor | None = None
     lookahead: Tensor | None = None
+    past_end: bool = False
 
     @property
     def temperature(self) -> float:
@@ -69,6 +71,7 @@ class KDTerm:
         if self.loss == "skew_kl" and not 0.0 <= alpha < 1.0:
             raise UserError(f"skew_kl needs 0 <= alpha < 1 (teacher {self.name!r}), got {alpha}")
         target = "context" if self.lookahead is None else "lookahead"
+        target = "lookahead_end" if self.past_end else target
         if (self.first_t is not None or self.lookahead is not None) and self.loss not in (
             DISTRIBUTION_LOSSES
         ):
@@ -287,7 +290,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
     """The lookahead target's buckets `[C, L]` from targets at D rows per chunk."""
     tg, chunks = term.targets, term.chunks
     c, depth = term.lookahead.shape
-    _, _, t0, t1 = chunks.unbind(-1)
+    s0, s1, t0, t1 = chunks.unbind(-1)
     rest = [_span_sums(tg.next_logprobs, t0 - 1 + d, t1 - 1) for d in range(depth + 1)]
     return project_lookahead(
         tg.topk_ids.view(c, depth, -1),
@@ -298,6 +301,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
         term.lookahead,
         t1 - t0,
         torch.stack(rest, -1),
+        single=(s1 - s0 == 1) if term.past_end else None,
     )
 
 

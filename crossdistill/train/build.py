@@ -13,7 +13,7 @@ from torch import nn
 from crossdistill.config import Config, TeacherConfig
 from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.distributed.runtime import Placement, TeacherSlot
-from crossdistill.losses import Joins, PrefixGroups, VocabProjection
+from crossdistill.losses import LOOKAHEAD_TARGETS, Joins, PrefixGroups, VocabProjection
 from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
 from crossdistill.train.optim import build_optimizer, build_scheduler
 from crossdistill.train.teacher_cache import check_coverage, open_cache
@@ -70,7 +70,7 @@ def build_projection_for(
     if tcfg.target == "prefix":  # each student token's first teacher piece: the other way round
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
-    if tcfg.target == "lookahead":
+    if tcfg.target in LOOKAHEAD_TARGETS:
         from crossdistill.alignment.projection import build_joins
 
         rows = torch.from_numpy(build_joins(tok_t, tok_s)).to(device)

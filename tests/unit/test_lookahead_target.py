@@ -83,10 +83,19 @@ class Toy:
         return out
 
 
-def reference(toy: Toy, logp: list[list[float]], k: int, obs: list[int], label: int, depth: int):
+def reference(
+    toy: Toy,
+    logp: list[list[float]],
+    k: int,
+    obs: list[int],
+    label: int,
+    depth: int,
+    past_end: bool = False,
+):
     """The target of one chunk, walked plainly: `logp[d]` the teacher's full log-probs at depth
     d (τ = 1), its top-k the k largest; `obs` the chunk's teacher tokens; `label` the student's
-    token (−1: none)."""
+    token (−1: none); `past_end`: the `lookahead_end` target (`logp[len(obs)]`, where there is
+    one, is the teacher's position after the chunk)."""
     out: dict = defaultdict(float)
     top = [sorted(range(len(row)), key=lambda x: -row[x])[:k] for row in logp]
     p = [[math.exp(v) for v in row] for row in logp]
@@ -101,8 +110,9 @@ def reference(toy: Toy, logp: list[list[float]], k: int, obs: list[int], label: 
     word0 = toy.teacher[t0]
     active = m > 1 and label >= 0
     expand = active and depth > 1 and word0 in toy.s_id and t0 in top[0]
+    one = past_end and m == 1 and depth > 1 and toy.s_id.get(word0) == label and t0 in top[0]
     for x in top[0]:
-        if x == t0 and expand:
+        if x == t0 and (expand or one):
             continue
         if x == t0 and active:  # the context target's split
             out[label] += p[0][x] * rest(1)
@@ -110,6 +120,19 @@ def reference(toy: Toy, logp: list[list[float]], k: int, obs: list[int], label: 
         else:
             piece(x, p[0][x])
     out[TAIL] += 1 - sum(p[0][x] for x in top[0])
+
+    def end(d: int, mass: float) -> None:
+        """The mass that reached the label; past the end, the continuations it joins."""
+        if not past_end or d >= depth:
+            out[label] += mass
+            return
+        moved = 0.0
+        for x in top[d]:
+            longer = toy.s_id.get(toy.student[label] + toy.teacher[x])
+            if longer is not None:
+                out[longer] += mass * p[d][x]
+                moved += p[d][x]
+        out[label] += mass * (1 - moved)
 
     def walk(d: int, mass: float, prefix: bytes) -> None:
         a = toy.s_id[prefix]
@@ -121,7 +144,7 @@ def reference(toy: Toy, logp: list[list[float]], k: int, obs: list[int], label: 
             return
         mass *= p[d][obs[d]]
         if d + 1 == m:
-            out[label] += mass
+            end(d + 1, mass)
             return
         nxt = prefix + toy.teacher[obs[d]]
         if d + 1 < depth and nxt in toy.s_id:
@@ -132,6 +155,8 @@ def reference(toy: Toy, logp: list[list[float]], k: int, obs: list[int], label: 
 
     if expand:
         walk(1, p[0][t0], word0)
+    if one:
+        end(1, p[0][t0])
     return out
 
 
@@ -173,16 +198,19 @@ def stacked(rows, depth: int, k: int):
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("depth", [2, 3])
-def test_matches_plain_reference(seed, depth):
+@pytest.mark.parametrize("past_end", [False, True])
+def test_matches_plain_reference(seed, depth, past_end):
     toy, k = Toy(seed), 4
     rows = [r for r in toy_chunks(toy, seed, 120, depth) if len(r[1]) <= depth]
     ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    single = torch.ones(len(rows), dtype=torch.bool) if past_end else None
     got = _from_buckets(
-        project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), len(toy.student)
+        project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, single),
+        len(toy.student),
     )
     for c, (label, o, lp) in enumerate(rows):
-        want = dense(reference(toy, lp.tolist(), k, o, label, depth), len(toy.student))
-        torch.testing.assert_close(got[c], want, rtol=1e-12, atol=1e-14)
+        want = reference(toy, lp.tolist(), k, o, label, depth, past_end)
+        torch.testing.assert_close(got[c], dense(want, len(toy.student)), rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(got.sum(-1), torch.ones(len(rows), dtype=F64))
     assert not got.isnan().any() and (got >= -1e-15).all()
     first = _from_buckets(
@@ -190,6 +218,13 @@ def test_matches_plain_reference(seed, depth):
     )
     changed = (got - first).abs().sum(-1) > 1e-12
     assert 8 < int(changed.sum()) < len(rows)  # the draw exercises both cases
+    if past_end:  # chunks of one teacher token change too, where the label has joins
+        one = length == 1
+        assert 3 < int((changed & one).sum()) < int(one.sum())
+        plain = _from_buckets(
+            project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), len(toy.student)
+        )
+        assert ((got - plain).abs().sum(-1) > 1e-12).any()
 
 
 def test_depth_limit_and_missing_prefixes_split_like_the_context_target():
@@ -234,10 +269,12 @@ def test_reduces_to_the_first_piece_and_context_targets():
     assert torch.equal(_from_buckets(got, len(toy.student)), _from_buckets(plain, len(toy.student)))
 
 
-def test_plan_reads_targets_at_the_rows_after_the_kd_position():
+@pytest.mark.parametrize("past_end", [False, True])
+def test_plan_reads_targets_at_the_rows_after_the_kd_position(past_end):
     """One text as student tokens (one chunk each) and teacher tokens; the teacher's logits at
     random; `teacher_targets` at `target_rows`, the term's tokens from `chunk_tokens`, and the
-    buckets `build_plan` lays out per student row against the plain reference."""
+    buckets `build_plan` lays out per student row against the plain reference (with
+    `past_end`, the row after a chunk is the next chunk's KD row)."""
     toy, k, depth = Toy(11), 4, 3
     gen = torch.Generator().manual_seed(5)
     words = [toy.student[int(i)] for i in torch.randint(len(toy.student), (40,), generator=gen)]
@@ -248,13 +285,13 @@ def test_plan_reads_targets_at_the_rows_after_the_kd_position():
     chunks = torch.tensor([[i, i + 1, starts[i], starts[i + 1]] for i in range(len(words))])
     logits = torch.randn(len(ids_t), len(toy.teacher), generator=gen, dtype=F64) * 2
     next_t = torch.cat([ids_t[1:], torch.tensor([-1])])
-    targets = teacher_targets(
-        logits, torch.eye(len(toy.teacher), dtype=F64), target_rows(chunks, depth), next_t, k
-    )
+    rows = target_rows(chunks, depth, past_end)
+    targets = teacher_targets(logits, torch.eye(len(toy.teacher), dtype=F64), rows, next_t, k)
     targets.depth = depth
     labels = torch.cat([ids_s[1:], torch.tensor([-100])])
+    ahead = chunk_tokens(ids_t, chunks, depth)
     term = KDTerm(
-        targets, toy.proj, chunks, torch.tensor(1.0), lookahead=chunk_tokens(ids_t, chunks, depth)
+        targets, toy.proj, chunks, torch.tensor(1.0), lookahead=ahead, past_end=past_end
     )
     term.denominator = kd_count(term, labels).double()
     part = build_plan(labels, [term], 0.5, 1.0, F64).terms[0].parts[0]
@@ -267,7 +304,8 @@ def test_plan_reads_targets_at_the_rows_after_the_kd_position():
             continue
         row = starts[c] - 1
         lp = [logp[row + d].tolist() for d in range(depth)]
-        want = dense(reference(toy, lp, k, o, int(ids_s[c]), depth), len(toy.student))
+        want = reference(toy, lp, k, o, int(ids_s[c]), depth, past_end)
+        want = dense(want, len(toy.student))
         torch.testing.assert_close(got[c - 1], want, rtol=1e-10, atol=1e-12)
         checked += 1
     assert checked > 20
@@ -294,16 +332,19 @@ def test_real_joins_spell_their_student_token(real_tokenizer):
 def test_a_run_with_the_lookahead_target_trains_and_differs_from_context(tmp_path, tokenizer_dir):
     """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
     finite losses, and a first KD value that is not the context target's (the later positions
-    are read). The untrained teacher is nearly uniform: a top-k of its whole vocabulary holds
+    are read), nor, with `lookahead_end`, the lookahead target's. The untrained teacher is nearly uniform: a top-k of its whole vocabulary holds
     the observed token wherever a path starts."""
     from tests.distributed import _harness as h
 
     kd = {}
-    for target in ("context", "lookahead"):
+    for target in ("context", "lookahead", "lookahead_end"):
         cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, 50304
         kd[target] = h.first_kd(cfg)
     assert abs(kd["lookahead"] - kd["context"]) > 1e-6 * kd["context"]
+    # past the end, the moved mass is p(t_0)·p(joins) ~ 1/V² under a nearly uniform teacher:
+    # tiny, but the run is deterministic and without the rows past the end it is the same run
+    assert kd["lookahead_end"] != kd["lookahead"]
 
 
 def test_a_teacher_cache_is_refused(tmp_path, tokenizer_dir):
@@ -317,4 +358,7 @@ def test_a_teacher_cache_is_refused(tmp_path, tokenizer_dir):
         validate_config(cfg)
     cfg.teachers[0].loss, cfg.teachers[0].cache = "forward_kl", str(tmp_path / "cache")
     with pytest.raises(UserError, match="a teacher cache holds one"):
+        validate_config(cfg)
+    cfg.teachers[0].target = "lookahead_end"
+    with pytest.raises(UserError, match="target = lookahead_end reads the teacher's top-k"):
         validate_config(cfg)
