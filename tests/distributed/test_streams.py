@@ -10,8 +10,9 @@ processes of its own, with both teachers separate, and after the run is stopped 
 resumed. A student in two pipeline stages takes a separate teacher's targets on its last stage
 alone: pp2 with the teacher on a third process (uninterrupted, and stopped at step 2 and
 resumed) gives the one-process run, as pp2 x cp2 does, and pp2 x dp2 with a teacher of two
-data-parallel ranks on two processes of its own the dp2 run. A teacher that dies ends the student with one line naming
-it.
+data-parallel ranks on two processes of its own the dp2 run. The lookahead targets' several
+top-k rows per chunk travel the same way. A teacher that dies ends the student with one line
+naming it.
 """
 
 from __future__ import annotations
@@ -102,6 +103,30 @@ def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "no
     return c
 
 
+# The lookahead targets' runs take the qwen teacher's top 1024 of its 50304 tokens: the untrained
+# teacher's top 16 seldom hold the observed token, so its rows after the KD position would
+# hardly move the values. At 1024, the rows `lookahead_end` reads past the chunks' ends move
+# the KD values by about 1e-4 of their size (ten times `REL`; at 16, not at all).
+LOOKAHEAD_TOP_K = 1024
+
+
+def _lookahead_cases(target: str, pipeline: bool) -> list[tuple]:
+    """`runs` cases of a lookahead target: colocated, separate, a teacher tensor-parallel over
+    two processes of its own serving two data ranks and its colocated reference, and with
+    `pipeline` a student in two stages."""
+    at = {"target": target, "top_k": LOOKAHEAD_TOP_K}
+    tp2 = {**at, "ranks": 2, "parallel": {"tp": 2}}
+    cases = [
+        (f"{target}-colocated", (), 1, None, at),
+        (f"{target}-separate", ("qwen",), 2, None, at),
+        (f"{target}-dp2-separate-tp2", ("qwen",), 4, None, tp2),
+        (f"{target}-dp2-colocated-tp2", (), 2, None, tp2),
+    ]
+    if pipeline:
+        cases.append((f"{target}-pp2-separate", ("qwen",), 3, None, {**at, "student": PP2}))
+    return cases
+
+
 @pytest.fixture(scope="module")
 def runs(base):
     """Every run once (each is a few seconds of training and a process start per rank)."""
@@ -127,24 +152,9 @@ def runs(base):
         ("pp2xdp2-separate-dp2", ("qwen",), 6, None, {"student": PP2_DP2, **TEACHER_DP2}),
         # each stage context parallel over two ranks: both of the last stage's take the targets
         ("pp2xcp2-separate", ("qwen",), 5, None, {"student": PP2_CP2}),
-        # the lookahead target: D top-k rows per chunk travel (sized on both sides)
-        ("lookahead-colocated", (), 1, None, {"target": "lookahead"}),
-        ("lookahead-separate", ("qwen",), 2, None, {"target": "lookahead"}),
-        ("lookahead-pp2-separate", ("qwen",), 3, None, {"student": PP2, "target": "lookahead"}),
-        (
-            "lookahead-dp2-separate-tp2",
-            ("qwen",),
-            4,
-            None,
-            {"target": "lookahead", "ranks": 2, "parallel": {"tp": 2}},
-        ),
-        (
-            "lookahead-dp2-colocated-tp2",
-            (),
-            2,
-            None,
-            {"target": "lookahead", "ranks": 2, "parallel": {"tp": 2}},
-        ),
+        # the lookahead targets: D top-k rows per chunk travel (sized on both sides)
+        *_lookahead_cases("lookahead", pipeline=True),
+        *_lookahead_cases("lookahead_end", pipeline=False),
     ]
     out = {}
     for i, (key, separate, processes, stop, settings) in enumerate(cases):
@@ -156,6 +166,7 @@ def runs(base):
         cfg.teachers[0].ranks = settings.get("ranks", 1)
         cfg.teachers[0].parallel = ParallelConfig(**settings.get("parallel", {}))
         cfg.teachers[0].target = settings.get("target", "first_piece")
+        cfg.teachers[0].top_k = settings.get("top_k", cfg.teachers[0].top_k)
         _run(cfg, processes, root / f"errors{i}", stop_after=stop)
         out[key] = _metrics(Path(cfg.run.out_dir))
     return out
@@ -186,16 +197,24 @@ def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs, name, re
     _assert_same(runs[name], runs[reference], name)
 
 
-def test_the_lookahead_target_travels_like_the_others(runs):
-    """Its targets hold several top-k rows per chunk: a separate teacher's stream, a pipeline's
-    last stage and a tensor-parallel teacher serving two data ranks size and read them as the
-    colocated runs do."""
-    ref = runs["lookahead-colocated"]
-    _assert_same(runs["lookahead-separate"], ref, "lookahead-separate")
-    _assert_same(runs["lookahead-pp2-separate"], ref, "lookahead-pp2", floor=PIPELINE_FLOOR)
-    _assert_same(
-        runs["lookahead-dp2-separate-tp2"], runs["lookahead-dp2-colocated-tp2"], "lookahead-tp2"
-    )
+@pytest.mark.parametrize("target", ["lookahead", "lookahead_end"])
+def test_the_lookahead_targets_travel_like_the_others(runs, target):
+    """Their targets hold several top-k rows per chunk: a separate teacher's stream and a
+    tensor-parallel teacher serving two data ranks (which re-bases the rows to its joint batch)
+    size and read them as the colocated runs do, and so does a pipeline's last stage for
+    `lookahead`. `lookahead_end` reads as many rows, one of them past each chunk's end, chosen
+    where the teacher runs: the separate and tensor-parallel runs check that choice; a
+    pipeline's last stage receives them as it does `lookahead`'s, so that run is left out.
+    `lookahead_end` gives other KD values than `lookahead`, so these runs exercise it."""
+    ref = runs[f"{target}-colocated"]
+    _assert_same(runs[f"{target}-separate"], ref, f"{target}-separate")
+    tp2 = runs[f"{target}-dp2-separate-tp2"]
+    _assert_same(tp2, runs[f"{target}-dp2-colocated-tp2"], f"{target}-tp2")
+    if f"{target}-pp2-separate" in runs:
+        _assert_same(runs[f"{target}-pp2-separate"], ref, f"{target}-pp2", floor=PIPELINE_FLOOR)
+    if target == "lookahead_end":
+        kd, other = ref[1]["kd/qwen"], runs["lookahead-colocated"][1]["kd/qwen"]
+        assert abs(kd - other) > 10 * REL * abs(other), (kd, other)
 
 
 def test_a_stopped_and_resumed_run_gives_the_uninterrupted_one(runs):
