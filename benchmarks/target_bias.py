@@ -34,6 +34,16 @@ positions (`*_of_kd`: the same counts as shares of all KD positions):
   `t_0 … t_d` are a student token (`a_{d+1}`; the last is the student's token itself);
 - `multi_length`: the shares of the multi positions with m = 2, 3, 4 and more.
 
+Over all KD positions, what `teachers.N.target: lookahead_end` reads past the student's token:
+
+- `end_step`: the path reaches the student's token (one student token, m < D, every prefix a
+  student token), so the teacher's position after it is read;
+- `end_joinable`: of those, the student has some token spelling its token followed by a teacher
+  token (the step can move mass there);
+- `end_observed_joins`: of those, the text's own next teacher token is one of them: the student
+  has the longer token but its tokenizer did not use it here (byte-level BPE merges in its own
+  order), and the step moves that continuation's share onto a token the text did not use.
+
     python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
         --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--json]
 
@@ -52,7 +62,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from crossdistill.alignment import align  # noqa: E402
-from crossdistill.alignment.projection import build_projection  # noqa: E402
+from crossdistill.alignment.projection import build_projection, joins_of  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
 from crossdistill.bench.quality import corpus_pieces  # noqa: E402
 from crossdistill.losses import LOOKAHEAD_DEPTH, PrefixGroups  # noqa: E402
@@ -94,6 +104,11 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     pieces_t, known = bytes_t.pieces(), {p for p in bytes_s.pieces() if p}
     lengths = np.zeros(LOOKAHEAD_DEPTH + 2, dtype=np.int64)  # multi positions by m, m > D as D + 1
     reach = started = 0
+    joins = joins_of(bytes_t, bytes_s)
+    joinable = np.zeros(len(bytes_s.lengths), dtype=bool)
+    joinable[joins[:, 0]] = True
+    join_keys = set((joins[:, 0].astype(np.int64) * len(pieces_t) + joins[:, 1]).tolist())
+    end_step = end_joinable = end_observed = 0
     enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     enc_t = tok_t.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
     for es, et in zip(enc_s, enc_t):
@@ -115,6 +130,16 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
             followed = path_length(ids_t[t0 : min(t1, t0 + LOOKAHEAD_DEPTH)], pieces_t, known)
             started += followed > 0
             reach += followed == t1 - t0
+        one = at[at[:, 1] - at[:, 0] == 1]
+        for s0, t0, t1 in one[:, [0, 2, 3]].tolist():
+            m = t1 - t0
+            if m >= LOOKAHEAD_DEPTH or path_length(ids_t[t0:t1], pieces_t, known) < m:
+                continue
+            end_step += 1
+            if joinable[ids_s[s0]]:
+                end_joinable += 1
+                nxt = int(ids_t[t1]) if t1 < len(ids_t) else -1
+                end_observed += nxt >= 0 and int(ids_s[s0]) * len(pieces_t) + nxt in join_keys
     total = sum(counts.values())
     out: dict = {"kd_positions": total}
     out.update({k: v / max(total, 1) for k, v in counts.items()})
@@ -131,6 +156,9 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     out["lookahead_started"] = started / max(n_multi, 1)
     out["lookahead_reach_of_kd"] = reach / max(total, 1)
     out["lookahead_started_of_kd"] = started / max(total, 1)
+    out["end_step"] = end_step / max(total, 1)
+    out["end_joinable"] = end_joinable / max(end_step, 1)
+    out["end_observed_joins"] = end_observed / max(end_joinable, 1)
     names = [str(k) for k in range(2, LOOKAHEAD_DEPTH + 1)] + [f">{LOOKAHEAD_DEPTH}"]
     out["multi_length"] = {k: int(v) / max(n_multi, 1) for k, v in zip(names, lengths[2:])}
     return out
@@ -179,6 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{r[k]:.1%}" for k in ("multi", "lookahead_started", "lookahead_reach"))
         tail = " | ".join(f"{v:.1%}" for v in r["multi_length"].values())
         print(f"| {path} | {cells} | {tail} |")
+    print("\n| teacher | end step (of KD positions) | joinable (of end steps) | observed joins |")
+    print("|---|---|---|---|")
+    for path, r in rows.items():
+        cells = " | ".join(f"{r[k]:.1%}" for k in ("end_step", "end_joinable", "end_observed_joins"))
+        print(f"| {path} | {cells} |")
     return 0
 
 
