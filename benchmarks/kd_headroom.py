@@ -1,6 +1,6 @@
 """How much a same-tokenizer teacher can teach at one `bench quality` scale: one teacher on the
 student's tokenizer, then CE-only and KD students over a grid of student sizes, KD weights and
-seeds, side by side on one device.
+seeds (and, with several `--student-steps`, schedule lengths), side by side on one device.
 
 `bench quality` asks the same-tokenizer KD student to beat the CE-only one by 5% at the GPU
 scale, or the scale says nothing about cross-tokenizer losses. This finds the student size, KD
@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--student-bytes", type=int, nargs="+", default=[0])
     p.add_argument("--teacher-steps", type=int, default=None)
-    p.add_argument("--student-steps", type=int, default=None)
+    p.add_argument(
+        "--student-steps", type=int, nargs="+", default=[0], help="0: the scale's own schedule"
+    )
     p.add_argument("--top-k", type=int, nargs="+", default=[64])
     p.add_argument("--temperature", type=float, nargs="+", default=[1.0])
     p.add_argument("--jobs", type=int, default=2)
@@ -79,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     scale = SCALES[args.scale]
-    if args.student_steps:
-        scale = replace(scale, student_steps=args.student_steps)
     if args.teacher_steps:
         scale = replace(scale, teacher_steps=args.teacher_steps)
     spec = QualitySpec(args.tokenizer, ["unused"], args.out, args.scale, scale, args.corpus)
@@ -128,15 +128,17 @@ def main(argv: list[str] | None = None) -> int:
             kinds.append((kd, f"kd {kd:g} k {k} T {t:g}", teacher(k, t)))
     runs = {}
     # seed-major: an early stop still has every cell at its first seeds
-    for seed, size, n, (kd, kind, entry) in itertools.product(
-        args.seeds, args.sizes, args.student_bytes, kinds
+    for seed, size, n, steps, (kd, kind, entry) in itertools.product(
+        args.seeds, args.sizes, args.student_bytes, args.student_steps, kinds
     ):
         shape = scale.student if size == "small" else SIZES[size]
+        steps = steps or scale.student_steps
+        size = size if steps == scale.student_steps else f"{size} steps {steps}"
         cfg = run_config(
             replace(spec, kd_ratio=kd) if kd else spec, data,
-            args.out / f"{size}-bytes{n}-{kind.replace(' ', '')}-seed{seed}",
+            args.out / f"{size.replace(' ', '')}-bytes{n}-{kind.replace(' ', '')}-seed{seed}",
             model_entry(shape, args.tokenizer, vocab),
-            steps=scale.student_steps, lr=scale.student_lr, seq_len=scale.seq_len,
+            steps=steps, lr=scale.student_lr, seq_len=scale.seq_len,
             batch=scale.student_batch, seed=seed, teachers=[entry] if entry else None,
             progress=False, train_file=train_files[n],
         )  # fmt: skip
