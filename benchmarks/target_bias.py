@@ -210,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| teacher | end step (of KD positions) | joinable (of end steps) | observed joins |")
     print("|---|---|---|---|")
     for path, r in rows.items():
-        cells = " | ".join(f"{r[k]:.1%}" for k in ("end_step", "end_joinable", "end_observed_joins"))
+        cells = " | ".join(
+            f"{r[k]:.1%}" for k in ("end_step", "end_joinable", "end_observed_joins")
+        )
         print(f"| {path} | {cells} |")
     return 0
 

@@ -290,9 +290,7 @@ def test_plan_reads_targets_at_the_rows_after_the_kd_position(past_end):
     targets.depth = depth
     labels = torch.cat([ids_s[1:], torch.tensor([-100])])
     ahead = chunk_tokens(ids_t, chunks, depth)
-    term = KDTerm(
-        targets, toy.proj, chunks, torch.tensor(1.0), lookahead=ahead, past_end=past_end
-    )
+    term = KDTerm(targets, toy.proj, chunks, torch.tensor(1.0), lookahead=ahead, past_end=past_end)
     term.denominator = kd_count(term, labels).double()
     part = build_plan(labels, [term], 0.5, 1.0, F64).terms[0].parts[0]
     got = _from_buckets(Buckets(part.ids, part.logq, part.valid, part.logq_tail), len(toy.student))
