@@ -21,12 +21,13 @@ dropped: the buckets and the tail still sum to the teacher's total. A chunk that
 expand (one teacher token, or no student token for `t_0`) gets the context target.
 
 `lookahead_end` also reads one teacher position past the student token's end, at chunks of one
-or more teacher tokens alike. The mass `M` that reached the student's observed token s there is
-the teacher's probability of s's bytes, and part of it is text the student would spell with a
-longer token: after Llama-2's ` get`, the teacher's `attr` makes Llama-3's ` getattr`. That
-part, `M·p(x)` for every top-k entry x where the student has a token spelling s then x, goes to
-that token; s keeps the rest (the observed continuation, the other entries, the tail). Without
-it, every student token that extends a teacher token is short of that mass at every position.
+or more teacher tokens alike, where the path reaches the student's observed token s before the
+depth limit. The mass `M` that reached s is the teacher's probability of s's bytes, and part of
+it is text the student would spell with a longer token: after Llama-2's ` get`, the teacher's
+`attr` makes Llama-3's ` getattr`. That part, `M·p(x)` for every top-k entry x where the student
+has a token spelling s then x (the text's own next token included), goes to that token; s keeps
+the rest (the other entries and the tail). Without it, every student token that extends a
+teacher token is short of that mass at every position.
 """
 
 from __future__ import annotations
