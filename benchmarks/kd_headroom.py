@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         shape = scale.student if size == "small" else SIZES[size]
         steps = steps or scale.student_steps
-        size = size if steps == scale.student_steps else f"{size} steps {steps}"
+        if len(args.student_steps) > 1 and steps != scale.student_steps:
+            size = f"{size} steps {steps}"
         cfg = run_config(
             replace(spec, kd_ratio=kd) if kd else spec, data,
             args.out / f"{size.replace(' ', '')}-bytes{n}-{kind.replace(' ', '')}-seed{seed}",

@@ -115,11 +115,33 @@ def summarize(
         if entry["refused"] is None and len(paired) >= 2 and all(ce[s] != same[s] for s in paired):
             closed = {s: (ce[s] - cross[s]) / (ce[s] - same[s]) for s in paired}
             entry["gap_closed"] = _stats(closed)
+        entry["change_vs_ce"] = _change(cross, ce)
+        # against the first target asked for with the same teacher and loss, seed by seed
+        first = next(
+            e
+            for e in report["cross"] + [entry]
+            if e["tokenizer"] == cell.teacher and e["loss"] == cell.loss
+        )
+        if first is not entry:
+            entry["change_vs_target"] = {
+                "target": first["target"],
+                **_change(cross, runs[first["cell"]]),
+            }
         report["cross"].append(entry)
     pairs = [label for label in teachers if label != same_label]
     if report["refused"] is None and pairs and all(teacher_problem(p) for p in pairs):
         report["refused"] = teacher_problem(pairs[0])
     return report
+
+
+def _change(values: dict[int, float], base: dict[int, float]) -> dict[str, Any]:
+    """The relative change `values[s] / base[s] − 1` over the seeds both have (mean, spread,
+    per seed) and `better`, on how many of them `values` is lower: a paired comparison, which
+    the students' seed-to-seed spread does not blur as it blurs two means."""
+    seeds = [s for s in values if s in base]
+    out = _stats({s: values[s] / base[s] - 1 for s in seeds})
+    out["better"] = sum(values[s] < base[s] for s in seeds)
+    return out
 
 
 def _stats(values: dict[int, float]) -> dict[str, Any]:
@@ -156,6 +178,15 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
         if entry["refused"] and not report["refused"]:
             every += f"\n    no comparison: {entry['refused']}"
         print(f"  {label:40s} {pm(entry['bpb'])}{gap_text}{every}", file=file)
+        for key, name in (("change_vs_ce", "CE only"), ("change_vs_target", None)):
+            change = entry.get(key)
+            if change and change["mean"] is not None and change["n"]:
+                name = name or f"the {change['target']} target"
+                print(
+                    f"    vs {name}, paired: {change['mean']:+.2%} ± {change['std']:.2%}, "
+                    f"lower on {change['better']} of {change['n']} seeds",
+                    file=file,
+                )
     if report["refused"]:
         print(f"\nno comparison: {report['refused']}", file=file)
 

@@ -4,6 +4,7 @@ at its quick scale on two genuine tokenizers (GPT-2 student, Llama-2 teacher).""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import statistics
@@ -12,8 +13,9 @@ import time
 import pytest
 
 from crossdistill.bench.quality import PIECE_BYTES, QualitySpec, corpus_pieces, split_pieces
-from crossdistill.bench.quality_report import Cell, summarize
+from crossdistill.bench.quality_report import Cell, print_table, summarize
 from crossdistill.cli import main
+from crossdistill.config import TeacherConfig
 from crossdistill.errors import UserError
 
 CELLS = [Cell("ce"), Cell("same", "llama3", "forward_kl"), Cell("cross-qwen3-kl", "qwen3", "kl")]
@@ -54,6 +56,29 @@ def test_a_seed_where_cross_kd_loses_is_reported(tmp_path):
     (entry,) = report["cross"]
     assert entry["beats_ce_every_seed"] is False
     assert entry["gap_closed"]["runs"][1] == pytest.approx((2.1 - 2.15) / 0.2)
+
+
+def test_paired_changes_against_ce_and_the_first_target(tmp_path):
+    """Each cross cell's change against the CE student of the same seed, and a second target's
+    against the first target of the same teacher and loss, seed by seed."""
+    cells = CELLS + [Cell("cross-qwen3-kl-lookahead", "qwen3", "kl", "lookahead")]
+    runs = _runs({0: 1.9, 1: 1.95, 2: 1.9})
+    runs["cross-qwen3-kl-lookahead"] = {0: 1.85, 1: 2.0, 2: 1.8}
+    report = summarize({"llama3": 1.0, "qwen3": 1.0}, runs, cells, "llama3", _spec(tmp_path))
+    first, second = report["cross"]
+    want = [1.9 / 2.0 - 1, 1.95 / 2.1 - 1, 1.9 / 2.2 - 1]
+    assert first["change_vs_ce"]["runs"] == pytest.approx(want, abs=1e-15)
+    assert first["change_vs_ce"]["std"] == pytest.approx(statistics.stdev(want), abs=1e-15)
+    assert first["change_vs_ce"]["better"] == 3 and "change_vs_target" not in first
+    versus = second["change_vs_target"]
+    assert versus["target"] == TeacherConfig.target and versus["better"] == 2
+    assert versus["runs"] == pytest.approx([1.85 / 1.9 - 1, 2.0 / 1.95 - 1, 1.8 / 1.9 - 1])
+    assert versus["mean"] == pytest.approx(statistics.fmean(versus["runs"]), abs=1e-15)
+    assert second["change_vs_ce"]["better"] == 3  # 2.0 < 2.1 on seed 1
+    buffer = io.StringIO()
+    print_table(report, file=buffer)
+    assert f"vs the {TeacherConfig.target} target, paired:" in buffer.getvalue()
+    assert "lower on 2 of 3 seeds" in buffer.getvalue()
 
 
 def test_teachers_too_far_apart_refuse_the_pair(tmp_path):
@@ -246,6 +271,11 @@ def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     assert far["lookahead_reach_of_kd"] == pytest.approx(far["lookahead_reach"] * far["multi"])
     assert list(far["multi_length"]) == ["2", "3", "4", ">4"]
     assert sum(far["multi_length"].values()) == pytest.approx(1.0)
+    # the step past the end: taken wherever a path reaches the student's token, so on every
+    # one-to-one chunk of the identical teacher; the joinable and contrary shares are shares
+    assert same["end_step"] == 1.0 and 0.5 < far["end_step"] <= 1.0
+    for r in (same, far):
+        assert 0.0 < r["end_joinable"] <= 1.0 and 0.0 <= r["end_observed_joins"] < 0.1
 
 
 def test_student_noise_script_repeats_one_config_identically_on_cpu(tokenizer_dir, tmp_path):
