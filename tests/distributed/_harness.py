@@ -227,10 +227,11 @@ def with_layouts(cfg: Config, layouts: Layouts) -> Config:
 
 
 def run_steps(
-    cfg: Config, sc: Scenario, steps: int = STEPS, window: int = WINDOW
-) -> list[tuple[float, float]]:
-    """(loss, grad norm) of `steps` optimizer steps on `batches` (`window` per step), in the
-    layouts of `cfg` (one process: the one-rank layouts, through the same code)."""
+    cfg: Config, sc: Scenario, steps: int = STEPS, window: int = WINDOW, extra: tuple = ()
+) -> list[tuple[float, ...]]:
+    """(loss, grad norm, *the metrics named in `extra`) of `steps` optimizer steps on `batches`
+    (`window` per step), in the layouts of `cfg` (one process: the one-rank layouts, through
+    the same code)."""
     from crossdistill.distributed.layout import init_distributed
     from crossdistill.distributed.runtime import TeacherSlot
     from crossdistill.distributed.setup import build_placement, parallel_models, plan_layouts
@@ -265,15 +266,18 @@ def run_steps(
         norm = placement.clip_grads(student, cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        out.append((float(metrics["loss"]), float(norm)))
+        out.append((float(metrics["loss"]), float(norm), *(float(metrics[k]) for k in extra)))
     return out
 
 
-def layouts_worker(rank: int, cfg: Config, scenario_file: str, cases: list[Layouts], out: str):
-    """Every case in turn in the same process group; rank 0 writes {case: [(loss, norm)]}."""
+def layouts_worker(
+    rank: int, cfg: Config, scenario_file: str, cases: list[Layouts], out: str, extra: tuple = ()
+):
+    """Every case in turn in the same process group; rank 0 writes {case: [(loss, norm,
+    *extra)]} (`run_steps`)."""
     sc = torch.load(scenario_file, weights_only=False)
     results = {}
     for case in cases:
-        results[case.name] = run_steps(with_layouts(cfg, case), sc)
+        results[case.name] = run_steps(with_layouts(cfg, case), sc, extra=extra)
     if rank == 0:
         torch.save(results, out)
