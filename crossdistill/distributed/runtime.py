@@ -205,7 +205,7 @@ class Placement:
         ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)
         labels = _to(tb.labels, self.device).flatten()
         depth = target_depth(slot.cfg.target, tb.same_as_student)
-        past_end = depth > 1 and reads_past_end(slot.cfg.target)
+        past_end = reads_past_end(slot.cfg.target, tb.same_as_student)
         kd_rows = target_rows(_to(tb.chunks, self.device), depth, past_end)
         if len(set(owners)) > 1:  # the teacher's group reads several ranks' data: run them all
             with record_function(EXCHANGE_INPUTS):
@@ -419,7 +419,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         name=slot.cfg.name,
         first_t=first_t,
         lookahead=ahead,
-        past_end=depth > 1 and reads_past_end(slot.cfg.target),
+        past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
     )
 
 

@@ -63,9 +63,10 @@ def target_depth(target: str, same_as_student: bool) -> int:
     return LOOKAHEAD_DEPTH if target in LOOKAHEAD_TARGETS and not same_as_student else 1
 
 
-def reads_past_end(target: str) -> bool:
-    """Whether the target reads the teacher's position after the student token's end."""
-    return target == "lookahead_end"
+def reads_past_end(target: str, same_as_student: bool) -> bool:
+    """Whether a teacher's targets include the row after each chunk's end (`target_rows`):
+    `lookahead_end` of a teacher with its own tokenizer."""
+    return target == "lookahead_end" and not same_as_student
 
 
 def _log_add(a: Tensor, b: Tensor) -> Tensor:
