@@ -34,7 +34,9 @@ LossName = Literal[
 ]
 DISTRIBUTION_LOSSES: tuple[str, ...] = get_args(DistributionLoss)
 LOSSES: tuple[str, ...] = get_args(LossName)
-Target = Literal["first_piece", "context", "prefix", "lookahead", "lookahead_end"]
+Target = Literal[
+    "first_piece", "context", "prefix", "lookahead", "lookahead_end", "lookahead_prefix"
+]
 TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
 # auto (= varlen: flash varlen over packed documents on CUDA, masked SDPA elsewhere), or a
@@ -128,7 +130,9 @@ class TeacherConfig(ModelConfig):
     # "lookahead" also reads the teacher's top-k at its later positions inside the student
     # token, giving each alternative continuation to the student token that spells it;
     # "lookahead_end" also reads the position after the student token's end: the teacher's
-    # continuations that the student spells with a longer token get that token's share
+    # continuations that the student spells with a longer token get that token's share;
+    # "lookahead_prefix" is "lookahead" with the teacher's other tokens at the KD position
+    # compared, as "prefix" does, with the groups of student tokens that start with them
     target: Target = "first_piece"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs

@@ -8,7 +8,8 @@
   detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
   reference backend.
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
-  lookahead, lookahead past the student token's end (`teachers.N.target`).
+  lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
+  other tokens (`teachers.N.target`).
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
   quantisation the teacher cache shares.
 
@@ -28,6 +29,7 @@ from crossdistill.losses.divergences import (
 from crossdistill.losses.lookahead import (
     LOOKAHEAD_DEPTH,
     LOOKAHEAD_TARGETS,
+    PREFIX_TARGETS,
     reads_past_end,
     target_depth,
 )
@@ -52,6 +54,7 @@ from crossdistill.losses.targets import (
 __all__ = [
     "LOOKAHEAD_DEPTH",
     "LOOKAHEAD_TARGETS",
+    "PREFIX_TARGETS",
     "LOSSES",
     "Buckets",
     "Joins",

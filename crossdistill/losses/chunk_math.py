@@ -50,12 +50,14 @@ def _tail_mass(
 
 
 def finish_tail(part: Part, sl: slice, ids: Tensor, s_tail: Tensor, vocab: int) -> Tensor:
-    """The tail's e-mass as the loss uses it: exactly 0 when the buckets cover the vocabulary,
-    else floored at the smallest normal number so that its log stays finite."""
+    """The tail's e-mass as the loss uses it: exactly 0 when the buckets cover the vocabulary
+    (of a grouped part: its groups cover every event), else floored at the smallest normal
+    number so that its log stays finite."""
     s_tail = s_tail.clamp(min=torch.finfo(s_tail.dtype).tiny)
+    g = part.group_from
     if part.valid is not None:
-        return torch.where(part.valid[sl].sum(1) == vocab, 0.0, s_tail)
-    return torch.zeros_like(s_tail) if ids.shape[1] == vocab else s_tail
+        return torch.where(part.valid[sl, g:].sum(1) == vocab, 0.0, s_tail)
+    return torch.zeros_like(s_tail) if ids.shape[1] - g == vocab else s_tail
 
 
 def part_step(
@@ -107,31 +109,51 @@ def part_step(
 
 
 def group_sums(
-    e: Tensor, part: Part, sl: slice, ids: Tensor, zmax: Tensor, tau: float
+    e: Tensor, part: Part, sl: slice, ids: Tensor, zmax: Tensor, tau: float, z_single: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A grouped part's buckets on a chunk: the e-mass of every event (`[c, G + 1]`, the last
-    column the tokens of no event), the stand-in logits `τ·log E_b + max` at the buckets that make
-    `part_step` read `log P_b = log E_b − log S`, the buckets' e-mass and the tail's."""
+    column the tokens of no event) without the row's single-token buckets (the first
+    `group_from`, whose logits are `z_single`), the stand-in logits `τ·log E_b + max` at the
+    group buckets that make `part_step` read `log P_b = log E_b − log S`, every bucket's e-mass
+    and the tail's."""
     index = part.groups.expand(e.shape[0], -1)
-    width = part.num_events + 1
+    width, g = part.num_events + 1, part.group_from
+    valid = None if part.valid is None else part.valid[sl]
+    singles = ids[:, :g]
+    e_single = e.gather(1, singles)
+    if g:  # the singles leave their groups: zeroed while summing, then restored
+        e.scatter_(1, singles, _held(e_single, valid, g))
     mass = torch.zeros(e.shape[0], width, dtype=e.dtype, device=e.device)
     mass.scatter_add_(1, index, e)
-    valid = None if part.valid is None else part.valid[sl]
-    e_ids, s_tail = _tail_mass(mass, ids, valid)
+    if g:
+        e.scatter_(1, singles, e_single)
+    e_groups, s_tail = _tail_mass(mass, ids[:, g:], None if valid is None else valid[:, g:])
     s_tail = finish_tail(part, sl, ids, s_tail, width)
     tiny = torch.finfo(e.dtype).tiny
-    z_sel = tau * e_ids.clamp(min=tiny).log() + zmax.unsqueeze(1)
-    return z_sel, e_ids, s_tail, index
+    z_groups = tau * e_groups.clamp(min=tiny).log() + zmax.unsqueeze(1)
+    return torch.cat([z_single, z_groups], 1), torch.cat([e_single, e_groups], 1), s_tail, index
+
+
+def _held(values: Tensor, valid: Tensor | None, g: int) -> Tensor:
+    """What to write at a row's single-token ids to take them out of the groups' sums: 0, or
+    their own values in a row with no valid single (its filler ids are id 0, not a bucket)."""
+    if valid is None:
+        return torch.zeros_like(values)
+    return torch.where(valid[:, :g].any(1, keepdim=True), 0.0, values)
 
 
 def group_coefficients(
-    corr: Tensor, e_ids: Tensor, ids: Tensor, index: Tensor, width: int
+    corr: Tensor, e_ids: Tensor, ids: Tensor, index: Tensor, part: Part
 ) -> Tensor:
-    """`part_step`'s corrections of a grouped part as a coefficient of every token's e `[c, V]`:
-    a bucket's correction is shared by its tokens in proportion to their e (`corr · e_j / E_b`)."""
+    """`part_step`'s corrections of a grouped part's group buckets as a coefficient of every
+    token's e `[c, V]`: a bucket's correction is shared by its tokens in proportion to their e
+    (`corr · e_j / E_b`). The row's single-token buckets (the first `group_from`) are in none
+    of its groups (`lookahead._with_groups`), so they get none."""
+    g = part.group_from
+    corr, e_ids, groups = corr[:, g:], e_ids[:, g:], ids[:, g:]
     per_mass = torch.where(e_ids > 0, corr / torch.where(e_ids > 0, e_ids, 1.0), 0.0)
-    table = torch.zeros(corr.shape[0], width, dtype=corr.dtype, device=corr.device)
-    return table.scatter_add_(1, ids, per_mass).gather(1, index)
+    table = torch.zeros(corr.shape[0], part.num_events + 1, dtype=corr.dtype, device=corr.device)
+    return table.scatter_add_(1, groups, per_mass).gather(1, index)
 
 
 def weighted_sum(rows: Tensor, weight: Tensor) -> Tensor:
@@ -144,9 +166,11 @@ def select(
     z: Tensor, part: Part, sl: slice, shard: VocabShard | None = None
 ) -> tuple[Tensor, Tensor]:
     """Logits at the part's buckets, or the student's own top-k (skipping `exclude`). Buckets of
-    token groups have no single logit: None, and `group_sums` gives their mass."""
+    token groups have no single logit: a grouped part gets those of its single-token buckets
+    only, and `group_sums` gives the groups' mass."""
     if part.groups is not None:
-        return None, part.ids[sl]
+        ids = part.ids[sl]
+        return z.gather(1, ids[:, : part.group_from]), ids
     if shard is not None:
         return _select_sharded(z, part, sl, shard)
     if part.ids is not None:
@@ -202,7 +226,7 @@ def chunk_step(
             for part, (z_sel, ids) in zip(term.parts, picked[ti]):
                 e_ids = s_tail = index = None
                 if part.groups is not None:
-                    z_sel, e_ids, s_tail, index = group_sums(e, part, sl, ids, zmax, tau)
+                    z_sel, e_ids, s_tail, index = group_sums(e, part, sl, ids, zmax, tau, z_sel)
                 elif part.logq_tail is not None:
                     e_ids, s_tail = _tail_mass(
                         e, ids, None if part.valid is None else part.valid[sl], shard
@@ -216,7 +240,9 @@ def chunk_step(
                 if index is None:
                     fixes.append((ids, corr))
                 elif want_grad:
-                    add = group_coefficients(corr, e_ids, ids, index, part.num_events + 1)
+                    g = part.group_from
+                    fixes.append((ids[:, :g], corr[:, :g]))
+                    add = group_coefficients(corr, e_ids, ids, index, part)
                     dense = add if dense is None else dense.add_(add)
         if last:
             loss, logp_label = label_terms(plan, sl, z_label - lse_u, loss)

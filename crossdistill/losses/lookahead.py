@@ -28,6 +28,16 @@ it is text the student would spell with a longer token: after Llama-2's ` get`, 
 has a token spelling s then x (the text's own next token included), goes to that token; s keeps
 the rest (the other entries and the tail). Without it, every student token that extends a
 teacher token is short of that mass at every position.
+
+`lookahead_prefix` keeps the lookahead target along the observed path and changes where the
+KD position's other entries go. The first piece gives an alternative x ≠ `t_0` whole to the
+student token spelling x, though `p(x)` also covers the student's longer tokens that start with
+x (Llama-2's ` get` covers Llama-3's ` getattr`, ` getter`, …), and the teacher never read the
+text after x to say how it splits. Here x's mass goes to the group of student tokens whose
+first teacher piece is x (`PrefixGroups`, as the prefix target), compared with the student's
+total over that group: the teacher sets the group's share and the student keeps its own split
+inside it. A group never holds the row's single-token buckets; an alternative whose group
+would (its event is one of theirs) sends its mass to the tail, so buckets stay disjoint.
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from crossdistill.errors import UserError
 from crossdistill.losses.projection import (
     Buckets,
     Continuation,
+    PrefixGroups,
     VocabProjection,
     merge_buckets,
     topk_entries,
@@ -54,7 +65,10 @@ NEG_INF = float("-inf")
 LOOKAHEAD_DEPTH = 4
 
 
-LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end")
+LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end", "lookahead_prefix")
+# Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
+# over its whole vocabulary, so neither a vocabulary split nor the fused kernels take them.
+PREFIX_TARGETS = ("prefix", "lookahead_prefix")
 
 
 def target_depth(target: str, same_as_student: bool) -> int:
@@ -108,6 +122,7 @@ def project_lookahead(
     length: Tensor,
     log_rest: Tensor,
     single: Tensor | None = None,
+    groups: PrefixGroups | None = None,
 ) -> Buckets:
     """The lookahead target's buckets `[C, L]` (module docstring).
 
@@ -117,7 +132,9 @@ def project_lookahead(
     `log_rest [C, D + 1]` at τ = 1, column d: the log-probability of the chunk's teacher tokens
     from `t_d` to its end (0 past it); `continuation` as for the context target. `single [C]`
     (`lookahead_end`): chunks of one student token; the rows past a chunk's last teacher token
-    then hold the teacher's top-k at the position after it."""
+    then hold the teacher's top-k at the position after it. `groups` (`lookahead_prefix`): the
+    KD position's entries other than the chunk's first teacher token go to their groups, from
+    column `group_from` of the buckets on."""
     depth = topk_ids.shape[1]
     ids, lp, obs = topk_ids.long(), topk_logprobs, observed.long()
     chain = prefix_chain(obs, projection, depth)
@@ -130,8 +147,14 @@ def project_lookahead(
     hit0 = (ids[:, 0] == obs[:, :1]) & start.unsqueeze(-1)
     expand = hit0.any(-1)
     cont0 = dataclasses.replace(continuation, active=continuation.active & ~expand)
+    grouped, drop = None, hit0
+    if groups is not None:
+        event = groups.teacher_event.first_piece[ids[:, 0].clamp(min=0)]
+        alt = (ids[:, 0] != obs[:, :1]) & (ids[:, 0] >= 0) & (event >= 0)
+        grouped = (torch.where(alt, event, -1), torch.where(alt, lp[:, 0], NEG_INF))
+        drop = hit0 | alt
     flat, flat_logq, tail = topk_entries(
-        ids[:, 0], lp[:, 0], tail_logprob[:, 0], projection, cont0, drop=hit0
+        ids[:, 0], lp[:, 0], tail_logprob[:, 0], projection, cont0, drop=drop
     )
     entries, values = [flat], [flat_logq]
     mass = torch.where(expand, torch.where(hit0, lp[:, 0], NEG_INF).logsumexp(-1), NEG_INF)
@@ -166,8 +189,33 @@ def project_lookahead(
         entries += [torch.where(to_prefix > NEG_INF, prefix, -1).unsqueeze(-1)]
         values += [to_label.unsqueeze(-1), to_prefix.unsqueeze(-1)]
         mass, live = torch.where(go_on, reached, NEG_INF), go_on
-    return merge_buckets(
-        torch.cat(entries, -1), torch.cat(values, -1), tail, projection.num_student
+    entries, values = torch.cat(entries, -1), torch.cat(values, -1)
+    if grouped is None:
+        return merge_buckets(entries, values, tail, projection.num_student)
+    entries = torch.where(values > NEG_INF, entries, -1)  # no empty single leaves a group
+    singles = merge_buckets(entries, values, tail, projection.num_student)
+    return _with_groups(singles, entries, *grouped, groups)
+
+
+def _with_groups(
+    singles: Buckets, entries: Tensor, event: Tensor, logq: Tensor, groups: PrefixGroups
+) -> Buckets:
+    """`singles` followed by group buckets of the entries `event [C, K]` (−1: none) with mass
+    `logq`; an entry whose event is that of one of the row's single-token `entries [C, L]`
+    (−1: none) joins the tail instead, so that no group holds a single."""
+    n = groups.num_events
+    own = groups.student_event[entries.clamp(min=0)]
+    own = torch.where(entries >= 0, own, n + 1).sort(-1).values
+    at = torch.searchsorted(own, event.clamp(min=0)).clamp(max=own.shape[-1] - 1)
+    clash = (own.gather(-1, at) == event) & (event >= 0)
+    tail = _log_add(singles.logq_tail, torch.where(clash, logq, NEG_INF).logsumexp(-1))
+    group = merge_buckets(torch.where(clash, -1, event), logq, tail, n)
+    return Buckets(
+        ids=torch.cat([singles.ids, group.ids], -1),
+        logq=torch.cat([singles.logq, group.logq], -1),
+        valid=torch.cat([singles.valid, group.valid], -1),
+        logq_tail=tail,
+        group_from=singles.ids.shape[-1],
     )
 
 

@@ -42,7 +42,9 @@ class KDTerm:
     target. `lookahead [C, D]`: the chunk's first D teacher token ids (−1 past its end); with it,
     `targets` hold D rows per chunk (`targets.target_rows(chunks, D)`: the KD position and the
     D − 1 after it) and the projected losses use the lookahead target (`losses.lookahead`);
-    `past_end` (`lookahead_end`): the rows past a chunk's last teacher token are read too."""
+    `past_end` (`lookahead_end`): the rows past a chunk's last teacher token are read too.
+    A lookahead term whose projection has prefix groups (`lookahead_prefix`) puts the KD
+    position's alternatives in their groups."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -164,7 +166,8 @@ class Part:
     `exclude [V_s]`) with teacher log-probs `logq [N, B]` and, when `logq_tail` is set, one tail
     bucket for all other tokens. With `groups [V_s]` (the byte-prefix target) the ids are events
     and a bucket holds every student token j with `groups[j]` equal to its id; `groups[j] =
-    num_events` puts token j in the tail."""
+    num_events` puts token j in the tail. `group_from > 0` (the `lookahead_prefix` target): the
+    first `group_from` buckets are single student tokens, in none of the row's groups."""
 
     divergence: str
     logq: Tensor
@@ -175,6 +178,7 @@ class Part:
     params: dict[str, float] = field(default_factory=dict)
     groups: Tensor | None = None
     num_events: int = 0
+    group_from: int = 0
 
 
 @dataclass
@@ -271,7 +275,7 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=proj.common_student())
         return [common, rest]
     params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
-    if proj.groups is not None:  # the byte-prefix target: buckets are events, groups of tokens
+    if proj.groups is not None and term.lookahead is None:  # the byte-prefix target: groups
         g = proj.groups
         b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, g.teacher_event)
         ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
@@ -283,7 +287,13 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
     else:
         b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
     ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
-    return [Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)]
+    part = Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)
+    if b.group_from is not None:  # lookahead_prefix: the KD position's alternatives in groups
+        g = proj.groups
+        part = dataclasses.replace(
+            part, groups=g.student_event, num_events=g.num_events, group_from=b.group_from
+        )
+    return [part]
 
 
 def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
@@ -302,6 +312,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
         t1 - t0,
         torch.stack(rest, -1),
         single=(s1 - s0 == 1) if term.past_end else None,
+        groups=term.projection.groups,
     )
 
 

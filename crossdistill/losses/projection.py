@@ -194,12 +194,17 @@ class Buckets:
     Valid slots hold distinct student ids. An invalid slot carries `logq = −inf` and repeats an
     id of a valid slot of the same row (id 0 if the row has none), so scattering into a row by
     `ids` never writes to a token that is not one of the row's buckets — except id 0 in rows with
-    no valid slot, where every write is the same value."""
+    no valid slot, where every write is the same value.
+
+    `group_from` (the `lookahead_prefix` target): slots from that column on are groups of
+    student tokens (`PrefixGroups` events, the same slot rules among themselves), those before
+    it single student tokens; a group holds its event's tokens other than the row's singles."""
 
     ids: Tensor  # [M, B] int64
     logq: Tensor  # [M, B]
     valid: Tensor  # [M, B] bool
     logq_tail: Tensor  # [M]
+    group_from: int | None = None
 
     @property
     def has_ids(self) -> Tensor:

@@ -13,7 +13,13 @@ from torch import nn
 from crossdistill.config import Config, TeacherConfig
 from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.distributed.runtime import Placement, TeacherSlot
-from crossdistill.losses import LOOKAHEAD_TARGETS, Joins, PrefixGroups, VocabProjection
+from crossdistill.losses import (
+    LOOKAHEAD_TARGETS,
+    PREFIX_TARGETS,
+    Joins,
+    PrefixGroups,
+    VocabProjection,
+)
 from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
 from crossdistill.train.optim import build_optimizer, build_scheduler
 from crossdistill.train.teacher_cache import check_coverage, open_cache
@@ -67,7 +73,7 @@ def build_projection_for(
             rows_s,
             exact=exact.to(device),
         )
-    if tcfg.target == "prefix":  # each student token's first teacher piece: the other way round
+    if tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     if tcfg.target in LOOKAHEAD_TARGETS:

@@ -19,7 +19,7 @@ from crossdistill.config import (
     TeacherConfig,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import LOOKAHEAD_TARGETS
+from crossdistill.losses import LOOKAHEAD_TARGETS, PREFIX_TARGETS
 
 
 @dataclass
@@ -87,11 +87,11 @@ def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
         raise UserError(f"teacher names must be distinct, got {names}; set teachers.N.name")
     for i, (t, r) in enumerate(zip(cfg.teachers, teachers)):
         _check_top_k(t, i, student.hf_config.vocab_size, r.hf_config.vocab_size)
-        if t.target == "prefix" and cfg.student.parallel.tp > 1:
+        if t.target in PREFIX_TARGETS and cfg.student.parallel.tp > 1:
             raise UserError(
-                f"teachers.{i}.target = prefix sums the student's probabilities over groups of "
+                f"teachers.{i}.target = {t.target} sums the student's probabilities over groups of "
                 f"tokens anywhere in its vocabulary, which student.parallel.tp = "
-                f"{cfg.student.parallel.tp} splits over ranks: use target first_piece or context, "
+                f"{cfg.student.parallel.tp} splits over ranks: use target first_piece, context or lookahead, "
                 "or a student without tensor parallelism"
             )
     return student, teachers

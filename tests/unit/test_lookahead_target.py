@@ -91,11 +91,13 @@ def reference(
     label: int,
     depth: int,
     past_end: bool = False,
+    skip: frozenset[int] = frozenset(),
 ):
     """The target of one chunk, walked plainly: `logp[d]` the teacher's full log-probs at depth
     d (τ = 1), its top-k the k largest; `obs` the chunk's teacher tokens; `label` the student's
     token (−1: none); `past_end`: the `lookahead_end` target (`logp[len(obs)]`, where there is
-    one, is the teacher's position after the chunk)."""
+    one, is the teacher's position after the chunk); `skip`: teacher ids other than `obs[0]`
+    whose depth-0 mass is left out (the caller places it)."""
     out: dict = defaultdict(float)
     top = [sorted(range(len(row)), key=lambda x: -row[x])[:k] for row in logp]
     p = [[math.exp(v) for v in row] for row in logp]
@@ -112,7 +114,7 @@ def reference(
     expand = active and depth > 1 and word0 in toy.s_id and t0 in top[0]
     one = past_end and m == 1 and depth > 1 and toy.s_id.get(word0) == label and t0 in top[0]
     for x in top[0]:
-        if x == t0 and (expand or one):
+        if (x == t0 and (expand or one)) or (x != t0 and x in skip):
             continue
         if x == t0 and active:  # the context target's split
             out[label] += p[0][x] * rest(1)

@@ -1,0 +1,234 @@
+"""The lookahead target with byte-prefix groups for the other tokens (`teachers.N.target:
+lookahead_prefix`): the observed path as the lookahead target has it, and each of the KD
+position's other top-k entries compared with the group of student tokens whose first teacher
+piece it is, without the row's single-token buckets.
+
+- the buckets against the plain reference of `test_lookahead_target` with those entries placed
+  by hand: in their group, or in the tail where the group holds one of the row's single tokens;
+- the loss of such buckets, chunked pass and full-logits reference, against a plain float64 loss
+  that sums the student's probability over each group's tokens (the row's singles left out),
+  value and gradients, for every projected loss;
+- a `train()` run, and what the settings refuse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from crossdistill.config import DISTRIBUTION_LOSSES
+from crossdistill.losses import (
+    KDTerm,
+    PrefixGroups,
+    chunk_tokens,
+    kd_count,
+    target_rows,
+    teacher_targets,
+)
+from crossdistill.losses.lookahead import project_lookahead
+from crossdistill.losses.plan import build_plan
+from crossdistill.losses.projection import Buckets
+from tests.unit.test_lookahead_target import TAIL, Toy, reference, stacked, toy_chunks
+from tests.unit.test_losses_student import ce_count, plain_divergence, rel, run
+
+F64 = torch.float64
+NEG_INF = float("-inf")
+
+
+def toy_groups(toy: Toy) -> PrefixGroups:
+    """Each student token's first teacher piece: the longest teacher token its bytes start with."""
+    first = [
+        max(
+            (t for t, w in enumerate(toy.teacher) if s.startswith(w)),
+            key=lambda t: len(toy.teacher[t]),
+        )
+        for s in toy.student
+    ]
+    return PrefixGroups.from_first_pieces(torch.tensor(first), toy.proj.first_piece)
+
+
+def grouped_reference(toy, groups, logp, k, obs, label, depth):
+    """The plain lookahead target with the KD position's other entries left out, then placed:
+    in their group (key `("event", e)`), or in the tail where a single of the row is in it."""
+    event_t = groups.teacher_event.first_piece.tolist()
+    event_s = groups.student_event.tolist()
+    top0 = sorted(range(len(logp[0])), key=lambda x: -logp[0][x])[:k]
+    skip = frozenset(x for x in top0 if x != obs[0] and event_t[x] >= 0)
+    out = reference(toy, logp, k, obs, label, depth, skip=skip)
+    taken = {event_s[key] for key, v in out.items() if key != TAIL and v > 0}
+    clashes = 0
+    for x in skip:
+        if event_t[x] in taken:
+            out[TAIL] += math.exp(logp[0][x])
+            clashes += 1
+        else:
+            out[("event", event_t[x])] += math.exp(logp[0][x])
+    return out, clashes
+
+
+def dense(out: dict, num_student: int, num_events: int) -> torch.Tensor:
+    row = torch.zeros(num_student + num_events + 1, dtype=F64)
+    for key, v in out.items():
+        if key == TAIL:
+            row[-1] += v
+        elif isinstance(key, tuple):
+            row[num_student + key[1]] += v
+        else:
+            row[key] += v
+    return row
+
+
+def dense_buckets(b: Buckets, num_student: int, num_events: int) -> torch.Tensor:
+    """The buckets as `[M, V_s + E + 1]`, checking the slot rules on each side of `group_from`."""
+    g = b.group_from
+    out = torch.zeros(b.ids.shape[0], num_student + num_events + 1, dtype=F64)
+    for m in range(b.ids.shape[0]):
+        for cols, offset in ((range(g), 0), (range(g, b.ids.shape[1]), num_student)):
+            seen = {int(b.ids[m, j]) for j in cols if b.valid[m, j]}
+            assert len(seen) == sum(bool(b.valid[m, j]) for j in cols)  # distinct valid slots
+            for j in cols:
+                if b.valid[m, j]:
+                    out[m, offset + int(b.ids[m, j])] = math.exp(float(b.logq[m, j]))
+                else:
+                    assert b.logq[m, j] == NEG_INF
+                    assert int(b.ids[m, j]) in seen or not seen
+        out[m, -1] = math.exp(float(b.logq_tail[m]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_matches_plain_reference(seed, depth):
+    toy, k = Toy(seed), 5
+    groups = toy_groups(toy)
+    rows = [r for r in toy_chunks(toy, seed, 120, depth) if len(r[1]) <= depth]
+    ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    b = project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, groups=groups)
+    got = dense_buckets(b, len(toy.student), groups.num_events)
+    clashes = grouped = 0
+    for c, (label, o, lp) in enumerate(rows):
+        want, n = grouped_reference(toy, groups, lp.tolist(), k, o, label, depth)
+        clashes += n
+        grouped += sum(isinstance(key, tuple) for key in want)
+        want = dense(want, len(toy.student), groups.num_events)
+        torch.testing.assert_close(got[c], want, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.sum(-1), torch.ones(len(rows), dtype=F64))
+    assert not got.isnan().any() and (got >= 0).all()
+    assert clashes > 3 and grouped > 3 * len(rows)  # the draw exercises both placements
+
+
+def plan_problem(seed: int, loss: str, k: int = 5, depth: int = 3):
+    """A text as toy student tokens (one chunk each) over random teacher splits, the teacher's
+    logits at random, and the lookahead term whose projection carries prefix groups."""
+    toy = Toy(seed)
+    toy.proj.groups = toy_groups(toy)
+    gen = torch.Generator().manual_seed(50 + seed)
+    words = [toy.student[int(i)] for i in torch.randint(len(toy.student), (30,), generator=gen)]
+    pieces = [toy.split(w, gen) for w in words]
+    ids_s = torch.tensor([toy.s_id[w] for w in words])
+    ids_t = torch.tensor([t for p in pieces for t in p])
+    starts = [0] + list(itertools.accumulate(len(p) for p in pieces))
+    chunks = torch.tensor([[i, i + 1, starts[i], starts[i + 1]] for i in range(len(words))])
+    logits = torch.randn(len(ids_t), len(toy.teacher), generator=gen, dtype=F64) * 2
+    next_t = torch.cat([ids_t[1:], torch.tensor([-1])])
+    targets = teacher_targets(
+        logits, torch.eye(len(toy.teacher), dtype=F64), target_rows(chunks, depth), next_t, k
+    )
+    targets.depth = depth
+    labels = torch.cat([ids_s[1:], torch.tensor([-100])])
+    params = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}}.get(loss, {})
+    ahead = chunk_tokens(ids_t, chunks, depth)
+    term = KDTerm(targets, toy.proj, chunks, torch.tensor(1.0), loss, params=params)
+    term.lookahead = ahead
+    term.denominator = kd_count(term, labels).double()
+    hidden = torch.randn(len(words), 6, generator=gen, dtype=F64)
+    weight = torch.randn(len(toy.student), 6, generator=gen, dtype=F64)
+    return hidden, weight, labels, term
+
+
+def plain_loss(hidden, weight, labels, term, kd_ratio):
+    """CE plus the KD term row by row: the student's mass of each group summed over its tokens
+    other than the row's singles; the tail every other token."""
+    plan = build_plan(labels, [term], kd_ratio, ce_count(labels), F64)
+    tp = plan.terms[0]
+    (part,) = tp.parts
+    g, event_s = part.group_from, part.groups.tolist()
+    logp = torch.log_softmax(hidden @ weight.t(), -1)
+    p = logp.exp()
+    loss = sum(
+        plan.ce_weight[r] * -logp[r, int(labels[r])] for r in range(len(labels)) if labels[r] >= 0
+    )
+    for r in range(len(labels)):
+        if tp.row_weight[r] == 0:
+            continue
+        valid = part.valid[r].tolist()
+        singles = [int(part.ids[r, j]) for j in range(g) if valid[j]]
+        events = [int(part.ids[r, j]) for j in range(g, len(valid)) if valid[j]]
+        q = [math.exp(float(part.logq[r, j])) for j in range(len(valid)) if valid[j]]
+        p_b = [p[r, j] for j in singles]
+        for e in events:
+            p_b.append(
+                sum(p[r, j] for j in range(p.shape[1]) if event_s[j] == e and j not in singles)
+            )
+        rest = [j for j in range(p.shape[1]) if j not in singles and event_s[j] not in events]
+        q.append(math.exp(float(part.logq_tail[r])))
+        p_b.append(sum(p[r, j] for j in rest))
+        loss = loss + tp.row_weight[r] * plain_divergence(term.loss, q, p_b, term.params)
+    return loss, part
+
+
+@pytest.mark.parametrize("loss", DISTRIBUTION_LOSSES)
+def test_loss_matches_plain_float64_reference(loss):
+    hidden, weight, labels, term = plan_problem(1, loss)
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    want, part = plain_loss(h, w, labels, term, 0.6)
+    want.backward()
+    live = part.valid[:, part.group_from :].any(1) & part.valid[:, : part.group_from].any(1)
+    assert int(live.sum()) > 10  # rows with both kinds of bucket
+    for backend in ("chunked", "reference"):
+        got, g_h, g_w, _ = run(backend, hidden, weight, labels, [term], kd_ratio=0.6, chunk_size=4)
+        assert not got.isnan() and abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
+        assert rel(g_h, h.grad) < 1e-10 and rel(g_w, w.grad) < 1e-10, backend
+
+
+def test_groups_change_the_loss_of_the_lookahead_target():
+    """The same problem without the groups (the lookahead target): another value."""
+    hidden, weight, labels, term = plan_problem(2, "forward_kl")
+    grouped = run("chunked", hidden, weight, labels, [term])[0]
+    term.projection.groups = None
+    plain = run("chunked", hidden, weight, labels, [term])[0]
+    assert abs(grouped.item() - plain.item()) > 1e-3 * abs(plain.item())
+
+
+def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, tokenizer_dir):
+    """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
+    a finite first KD value that is not the lookahead target's."""
+    from tests.distributed import _harness as h
+
+    kd = {}
+    for target in ("lookahead", "lookahead_prefix"):
+        cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
+        cfg.teachers[0].target = target
+        kd[target] = h.first_kd(cfg)
+    assert math.isfinite(kd["lookahead_prefix"])
+    assert abs(kd["lookahead_prefix"] - kd["lookahead"]) > 1e-6 * kd["lookahead"]
+
+
+def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokenizer_dir):
+    from crossdistill.errors import UserError
+    from crossdistill.train.validate import validate_config
+    from tests.distributed import _harness as h
+
+    cfg = h.trainer_config(tmp_path, tokenizer_dir, 2, eval_every=2)
+    cfg.teachers[0].target = "lookahead_prefix"
+    cfg.student.parallel.tp = 2
+    with pytest.raises(UserError, match="target = lookahead_prefix sums the student's"):
+        validate_config(cfg)
+    cfg.student.parallel.tp = 1
+    cfg.teachers[0].cache = str(tmp_path / "cache")
+    with pytest.raises(UserError, match="target = lookahead_prefix reads the teacher's top-k"):
+        validate_config(cfg)
