@@ -1,4 +1,4 @@
-"""The `lookahead_end` target with a student split over two gloo ranks, against one process.
+"""The lookahead targets with a student split over two gloo ranks, against one process.
 
 The scenario of `test_parallel.py` (tiny Llama student, Qwen3 and Phi-3 teachers, real
 tokenizers, float32), its Qwen3 teacher on `target: lookahead_end` at top 1024: the untrained
@@ -11,11 +11,15 @@ one its own rows; with the teachers tensor- or context-parallel as the student, 
 each rank (the two ranks share the teachers' work), each must give the one-process loss and
 gradient norm to 1e-5 relative for 3 optimizer steps, and the KD term to 1e-5 at the first
 step (the same weights) and to `KD_REL` after it.
+`lookahead_prefix` (its KD position's other tokens in byte-prefix groups, scored on the
+unfused path) runs on the context-parallel layout alone: a tensor-parallel student is refused
+with it (`tests/unit/test_lookahead_prefix.py`).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -33,37 +37,86 @@ TOP_K = 1024
 KD = ("kd/qwen",)
 NAMES = ("tp2", "cp2", "tp2_teachers_whole", "cp2_teachers_whole")
 CASES = [c for c in w.TWO_RANKS if c.name in NAMES]
+PREFIX_CASES = [c for c in w.TWO_RANKS if c.name == "cp2"]
+
+
+def _config(root, tokenizer_dir, target: str):
+    """The scenario's config under `root`, its Qwen3 teacher on `target` at `TOP_K`, with its
+    projections built."""
+    from crossdistill.alignment.projection import build_projection
+    from crossdistill.models import load_tokenizer
+
+    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
+    cfg = h.scenario_config(toks, h.write_corpus(root / "data"), root / "run")
+    cfg.teachers[0].target, cfg.teachers[0].top_k = target, TOP_K
+    tok_s = load_tokenizer(cfg.student.tokenizer)
+    for t in cfg.teachers:
+        t.projection = str(root / f"{t.name}.projection.safetensors")
+        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
+    return cfg
+
+
+def _one_process(cfg, sc, steps: int = h.STEPS):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return h.run_steps(cfg, sc, steps=steps, extra=KD)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _two_ranks(cfg, root, cases):
+    out = root / "two.pt"
+    args = (cfg, str(root / "scenario.pt"), cases, str(out), KD)
+    h.spawn(h.layouts_worker, 2, *args, errors=root / "errors")
+    return torch.load(out, weights_only=False)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, tokenizer_dir):
     """The one-process references of `lookahead_end` and `lookahead`, and every case's run of
     `lookahead_end` on two ranks."""
-    from crossdistill.alignment.projection import build_projection
-    from crossdistill.models import load_tokenizer
-
     root = tmp_path_factory.mktemp("lookahead_layouts")
-    toks = {n: str(tokenizer_dir(n)) for n in ("llama2", "gpt2", "mistral")}
-    cfg = h.scenario_config(toks, h.write_corpus(root / "data"), root / "run")
-    cfg.teachers[0].target, cfg.teachers[0].top_k = "lookahead_end", TOP_K
-    tok_s = load_tokenizer(cfg.student.tokenizer)
-    for t in cfg.teachers:
-        t.projection = str(root / f"{t.name}.projection.safetensors")
-        build_projection(load_tokenizer(t.tokenizer), tok_s).save(t.projection)
+    cfg = _config(root, tokenizer_dir, "lookahead_end")
     lookahead = copy.deepcopy(cfg)
     lookahead.teachers[0].target = "lookahead"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        sc = h.prepare(cfg, h.STEPS * h.WINDOW, root / "scenario.pt")
-        reference = h.run_steps(cfg, sc, extra=KD)
-        other = h.run_steps(lookahead, sc, steps=1, extra=KD)
-    finally:
-        torch.set_num_threads(threads)
-    out = root / "two.pt"
-    args = (cfg, str(root / "scenario.pt"), CASES, str(out), KD)
-    h.spawn(h.layouts_worker, 2, *args, errors=root / "errors")
-    return reference, other, torch.load(out, weights_only=False)
+    sc = h.prepare(cfg, h.STEPS * h.WINDOW, root / "scenario.pt")
+    reference = _one_process(cfg, sc)
+    other = _one_process(lookahead, sc, steps=1)
+    return reference, other, _two_ranks(cfg, root, CASES)
+
+
+@pytest.fixture(scope="module")
+def prefix_runs(tmp_path_factory, tokenizer_dir):
+    """The one-process references of `lookahead_prefix` and of `lookahead` (the same projection
+    without its groups), and the cp2 run of `lookahead_prefix`."""
+    root = tmp_path_factory.mktemp("lookahead_prefix_layouts")
+    cfg = _config(root, tokenizer_dir, "lookahead_prefix")
+    sc = h.prepare(cfg, h.STEPS * h.WINDOW, root / "scenario.pt")
+    assert sc.projections["qwen"].groups is not None
+    lookahead = copy.deepcopy(cfg)
+    lookahead.teachers[0].target = "lookahead"
+    plain = dataclasses.replace(sc.projections["qwen"], groups=None)
+    plain_sc = h.Scenario(sc.batches, {**sc.projections, "qwen": plain})
+    reference = _one_process(cfg, sc)
+    other = _one_process(lookahead, plain_sc, steps=1)
+    return reference, other, _two_ranks(cfg, root, PREFIX_CASES)
+
+
+def _assert_matches(got: list, reference: list, case: str) -> None:
+    """`got` gives `reference`'s loss and norm to `REL` at every step, its KD term to `REL` at
+    the first step and to `KD_REL` after it."""
+    assert len(got) == len(reference) == h.STEPS
+    for step, (values, ref) in enumerate(zip(got, reference), start=1):
+        for name, value, ref_value in zip(("loss", "norm", *KD), values, ref):
+            rel = KD_REL if name in KD and step > 1 else REL
+            assert abs(value - ref_value) <= rel * abs(ref_value), (
+                case,
+                step,
+                name,
+                value,
+                ref_value,
+            )
 
 
 def test_the_rows_past_the_chunks_end_move_the_kd_term(runs):
@@ -75,14 +128,15 @@ def test_the_rows_past_the_chunks_end_move_the_kd_term(runs):
 @pytest.mark.parametrize("case", NAMES)
 def test_a_split_student_on_lookahead_end_matches_one_process(runs, case):
     reference, _, got = runs
-    assert len(got[case]) == len(reference) == h.STEPS
-    for step, (values, ref) in enumerate(zip(got[case], reference), start=1):
-        for name, value, ref_value in zip(("loss", "norm", *KD), values, ref):
-            rel = KD_REL if name in KD and step > 1 else REL
-            assert abs(value - ref_value) <= rel * abs(ref_value), (
-                case,
-                step,
-                name,
-                value,
-                ref_value,
-            )
+    _assert_matches(got[case], reference, case)
+
+
+def test_a_context_parallel_student_on_lookahead_prefix_matches_one_process(prefix_runs):
+    """Each of the two ranks scores its own rows' grouped buckets (the groups span the whole
+    vocabulary, which every rank holds): the one-process loss, norm and KD term. The groups
+    move the first step's KD term from `lookahead`'s by more than twice `KD_REL` of its size,
+    so a run that lost them would not match."""
+    reference, other, got = prefix_runs
+    kd, kd_other = reference[0][2], other[0][2]
+    assert abs(kd - kd_other) > 2 * KD_REL * abs(kd_other), (kd, kd_other)
+    _assert_matches(got["cp2"], reference, "cp2")

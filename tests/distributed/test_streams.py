@@ -11,8 +11,9 @@ resumed. A student in two pipeline stages takes a separate teacher's targets on 
 alone: pp2 with the teacher on a third process (uninterrupted, and stopped at step 2 and
 resumed) gives the one-process run, as pp2 x cp2 does, and pp2 x dp2 with a teacher of two
 data-parallel ranks on two processes of its own the dp2 run. The lookahead targets' several
-top-k rows per chunk travel the same way. A teacher that dies ends the student with one line
-naming it.
+top-k rows per chunk travel the same way (`lookahead_prefix`'s as a separate teacher's stream
+alone: its groups are made on the student's side). A teacher that dies ends the student with
+one line naming it.
 """
 
 from __future__ import annotations
@@ -108,6 +109,7 @@ def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "no
 # hardly move the values. At 1024, the rows `lookahead_end` reads past the chunks' ends move
 # the KD values by about 1e-4 of their size (ten times `REL`; at 16, not at all).
 LOOKAHEAD_TOP_K = 1024
+PREFIX = {"target": "lookahead_prefix", "top_k": LOOKAHEAD_TOP_K}
 
 
 def _lookahead_cases(target: str, pipeline: bool) -> list[tuple]:
@@ -155,6 +157,9 @@ def runs(base):
         # the lookahead targets: D top-k rows per chunk travel (sized on both sides)
         *_lookahead_cases("lookahead", pipeline=True),
         *_lookahead_cases("lookahead_end", pipeline=False),
+        # lookahead_prefix: the rows of lookahead, grouped on the student's side
+        ("lookahead_prefix-colocated", (), 1, None, PREFIX),
+        ("lookahead_prefix-separate", ("qwen",), 2, None, PREFIX),
     ]
     out = {}
     for i, (key, separate, processes, stop, settings) in enumerate(cases):
@@ -215,6 +220,16 @@ def test_the_lookahead_targets_travel_like_the_others(runs, target):
     if target == "lookahead_end":
         kd, other = ref[1]["kd/qwen"], runs["lookahead-colocated"][1]["kd/qwen"]
         assert abs(kd - other) > 10 * REL * abs(other), (kd, other)
+
+
+def test_the_lookahead_prefix_target_travels_like_lookahead(runs):
+    """A separate teacher sends `lookahead_prefix` the rows it sends `lookahead`; the student
+    puts the KD position's other tokens in their groups as the colocated run does, which moves
+    the KD values away from `lookahead`'s."""
+    ref = runs["lookahead_prefix-colocated"]
+    _assert_same(runs["lookahead_prefix-separate"], ref, "lookahead_prefix-separate")
+    kd, other = ref[1]["kd/qwen"], runs["lookahead-colocated"][1]["kd/qwen"]
+    assert abs(kd - other) > 10 * REL * abs(other), (kd, other)
 
 
 def test_a_stopped_and_resumed_run_gives_the_uninterrupted_one(runs):
