@@ -13,7 +13,6 @@ piece it is, without the row's single-token buckets.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -23,15 +22,12 @@ from crossdistill.config import DISTRIBUTION_LOSSES
 from crossdistill.losses import (
     KDTerm,
     PrefixGroups,
-    chunk_tokens,
     kd_count,
-    target_rows,
-    teacher_targets,
 )
 from crossdistill.losses.lookahead import project_lookahead
 from crossdistill.losses.plan import build_plan
 from crossdistill.losses.projection import Buckets
-from tests.unit.test_lookahead_target import TAIL, Toy, reference, stacked, toy_chunks
+from tests.unit.test_lookahead_target import TAIL, Toy, reference, stacked, toy_chunks, toy_text
 from tests.unit.test_losses_student import ce_count, plain_divergence, rel, run
 
 F64 = torch.float64
@@ -126,25 +122,13 @@ def plan_problem(seed: int, loss: str, k: int = 5, depth: int = 3):
     toy = Toy(seed)
     toy.proj.groups = toy_groups(toy)
     gen = torch.Generator().manual_seed(50 + seed)
-    words = [toy.student[int(i)] for i in torch.randint(len(toy.student), (30,), generator=gen)]
-    pieces = [toy.split(w, gen) for w in words]
-    ids_s = torch.tensor([toy.s_id[w] for w in words])
-    ids_t = torch.tensor([t for p in pieces for t in p])
-    starts = [0] + list(itertools.accumulate(len(p) for p in pieces))
-    chunks = torch.tensor([[i, i + 1, starts[i], starts[i + 1]] for i in range(len(words))])
-    logits = torch.randn(len(ids_t), len(toy.teacher), generator=gen, dtype=F64) * 2
-    next_t = torch.cat([ids_t[1:], torch.tensor([-1])])
-    targets = teacher_targets(
-        logits, torch.eye(len(toy.teacher), dtype=F64), target_rows(chunks, depth), next_t, k
-    )
-    targets.depth = depth
-    labels = torch.cat([ids_s[1:], torch.tensor([-100])])
+    t = toy_text(toy, gen, 30, depth, k)
+    labels = t.labels
     params = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}}.get(loss, {})
-    ahead = chunk_tokens(ids_t, chunks, depth)
-    term = KDTerm(targets, toy.proj, chunks, torch.tensor(1.0), loss, params=params)
-    term.lookahead = ahead
+    term = KDTerm(t.targets, toy.proj, t.chunks, torch.tensor(1.0), loss, params=params)
+    term.lookahead = t.ahead
     term.denominator = kd_count(term, labels).double()
-    hidden = torch.randn(len(words), 6, generator=gen, dtype=F64)
+    hidden = torch.randn(len(t.words), 6, generator=gen, dtype=F64)
     weight = torch.randn(len(toy.student), 6, generator=gen, dtype=F64)
     return hidden, weight, labels, term
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -271,15 +272,11 @@ def test_reduces_to_the_first_piece_and_context_targets():
     assert torch.equal(_from_buckets(got, len(toy.student)), _from_buckets(plain, len(toy.student)))
 
 
-@pytest.mark.parametrize("past_end", [False, True])
-def test_plan_reads_targets_at_the_rows_after_the_kd_position(past_end):
-    """One text as student tokens (one chunk each) and teacher tokens; the teacher's logits at
-    random; `teacher_targets` at `target_rows`, the term's tokens from `chunk_tokens`, and the
-    buckets `build_plan` lays out per student row against the plain reference (with
-    `past_end`, the row after a chunk is the next chunk's KD row)."""
-    toy, k, depth = Toy(11), 4, 3
-    gen = torch.Generator().manual_seed(5)
-    words = [toy.student[int(i)] for i in torch.randint(len(toy.student), (40,), generator=gen)]
+def toy_text(toy: Toy, gen, count: int, depth: int, k: int, past_end: bool = False):
+    """`count` random student tokens as one text, one chunk each over a random teacher split;
+    the teacher's logits at random and its targets at `target_rows`; the student's labels and
+    the chunks' first `depth` teacher tokens."""
+    words = [toy.student[int(i)] for i in torch.randint(len(toy.student), (count,), generator=gen)]
     pieces = [toy.split(w, gen) for w in words]
     ids_s = torch.tensor([toy.s_id[w] for w in words])
     ids_t = torch.tensor([t for p in pieces for t in p])
@@ -292,7 +289,39 @@ def test_plan_reads_targets_at_the_rows_after_the_kd_position(past_end):
     targets.depth = depth
     labels = torch.cat([ids_s[1:], torch.tensor([-100])])
     ahead = chunk_tokens(ids_t, chunks, depth)
-    term = KDTerm(targets, toy.proj, chunks, torch.tensor(1.0), lookahead=ahead, past_end=past_end)
+    return SimpleNamespace(
+        words=words,
+        pieces=pieces,
+        starts=starts,
+        ids_s=ids_s,
+        chunks=chunks,
+        logits=logits,
+        targets=targets,
+        labels=labels,
+        ahead=ahead,
+    )
+
+
+@pytest.mark.parametrize("past_end", [False, True])
+def test_plan_reads_targets_at_the_rows_after_the_kd_position(past_end):
+    """One text as student tokens (one chunk each) and teacher tokens; the teacher's logits at
+    random; `teacher_targets` at `target_rows`, the term's tokens from `chunk_tokens`, and the
+    buckets `build_plan` lays out per student row against the plain reference (with
+    `past_end`, the row after a chunk is the next chunk's KD row)."""
+    toy, k, depth = Toy(11), 4, 3
+    t = toy_text(toy, torch.Generator().manual_seed(5), 40, depth, k, past_end)
+    words, pieces, starts, ids_s, chunks, logits, labels = (
+        t.words,
+        t.pieces,
+        t.starts,
+        t.ids_s,
+        t.chunks,
+        t.logits,
+        t.labels,
+    )
+    term = KDTerm(
+        t.targets, toy.proj, chunks, torch.tensor(1.0), lookahead=t.ahead, past_end=past_end
+    )
     term.denominator = kd_count(term, labels).double()
     part = build_plan(labels, [term], 0.5, 1.0, F64).terms[0].parts[0]
     got = _from_buckets(Buckets(part.ids, part.logq, part.valid, part.logq_tail), len(toy.student))
