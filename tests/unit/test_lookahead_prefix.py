@@ -7,7 +7,7 @@ piece it is, without the row's single-token buckets.
   by hand: in their group, or in the tail where the group holds one of the row's single tokens;
 - the loss of such buckets, chunked pass and full-logits reference, against a plain float64 loss
   that sums the student's probability over each group's tokens (the row's singles left out),
-  value and gradients, for every projected loss;
+  value and gradients, for every projected loss at τ = 1 and 2;
 - a `train()` run, and what the settings refuse.
 """
 
@@ -116,13 +116,13 @@ def test_matches_plain_reference(seed, depth):
     assert clashes > 3 and grouped > 3 * len(rows)  # the draw exercises both placements
 
 
-def plan_problem(seed: int, loss: str, k: int = 5, depth: int = 3):
+def plan_problem(seed: int, loss: str, k: int = 5, depth: int = 3, tau: float = 1.0):
     """A text as toy student tokens (one chunk each) over random teacher splits, the teacher's
     logits at random, and the lookahead term whose projection carries prefix groups."""
     toy = Toy(seed)
     toy.proj.groups = toy_groups(toy)
     gen = torch.Generator().manual_seed(50 + seed)
-    t = toy_text(toy, gen, 30, depth, k)
+    t = toy_text(toy, gen, 30, depth, k, tau=tau)
     labels = t.labels
     params = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}}.get(loss, {})
     term = KDTerm(t.targets, toy.proj, t.chunks, torch.tensor(1.0), loss, params=params)
@@ -140,8 +140,9 @@ def plain_loss(hidden, weight, labels, term, kd_ratio):
     tp = plan.terms[0]
     (part,) = tp.parts
     g, event_s = part.group_from, part.groups.tolist()
-    logp = torch.log_softmax(hidden @ weight.t(), -1)
-    p = logp.exp()
+    z = hidden @ weight.t()
+    logp = torch.log_softmax(z, -1)
+    p = torch.softmax(z / term.temperature, -1)  # the KD term's softmax
     loss = sum(
         plan.ce_weight[r] * -logp[r, int(labels[r])] for r in range(len(labels)) if labels[r] >= 0
     )
@@ -164,9 +165,10 @@ def plain_loss(hidden, weight, labels, term, kd_ratio):
     return loss, part
 
 
+@pytest.mark.parametrize("tau", [1.0, 2.0])
 @pytest.mark.parametrize("loss", DISTRIBUTION_LOSSES)
-def test_loss_matches_plain_float64_reference(loss):
-    hidden, weight, labels, term = plan_problem(1, loss)
+def test_loss_matches_plain_float64_reference(loss, tau):
+    hidden, weight, labels, term = plan_problem(1, loss, tau=tau)
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     want, part = plain_loss(h, w, labels, term, 0.6)

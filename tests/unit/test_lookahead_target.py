@@ -272,7 +272,9 @@ def test_reduces_to_the_first_piece_and_context_targets():
     assert torch.equal(_from_buckets(got, len(toy.student)), _from_buckets(plain, len(toy.student)))
 
 
-def toy_text(toy: Toy, gen, count: int, depth: int, k: int, past_end: bool = False):
+def toy_text(
+    toy: Toy, gen, count: int, depth: int, k: int, past_end: bool = False, tau: float = 1.0
+):
     """`count` random student tokens as one text, one chunk each over a random teacher split;
     the teacher's logits at random and its targets at `target_rows`; the student's labels and
     the chunks' first `depth` teacher tokens."""
@@ -285,7 +287,8 @@ def toy_text(toy: Toy, gen, count: int, depth: int, k: int, past_end: bool = Fal
     logits = torch.randn(len(ids_t), len(toy.teacher), generator=gen, dtype=F64) * 2
     next_t = torch.cat([ids_t[1:], torch.tensor([-1])])
     rows = target_rows(chunks, depth, past_end)
-    targets = teacher_targets(logits, torch.eye(len(toy.teacher), dtype=F64), rows, next_t, k)
+    eye = torch.eye(len(toy.teacher), dtype=F64)
+    targets = teacher_targets(logits, eye, rows, next_t, k, temperature=tau)
     targets.depth = depth
     labels = torch.cat([ids_s[1:], torch.tensor([-100])])
     ahead = chunk_tokens(ids_t, chunks, depth)
