@@ -149,9 +149,7 @@ def project_lookahead(
     cont0 = dataclasses.replace(continuation, active=continuation.active & ~expand)
     grouped, drop = None, hit0
     if groups is not None:
-        event = groups.teacher_event.first_piece[ids[:, 0].clamp(min=0)]
-        alt = (ids[:, 0] != obs[:, :1]) & (ids[:, 0] >= 0) & (event >= 0)
-        grouped = (torch.where(alt, event, -1), torch.where(alt, lp[:, 0], NEG_INF))
+        grouped, alt = _alternatives(ids[:, 0], lp[:, 0], obs[:, :1], groups)
         drop = hit0 | alt
     flat, flat_logq, tail = topk_entries(
         ids[:, 0], lp[:, 0], tail_logprob[:, 0], projection, cont0, drop=drop
@@ -195,6 +193,17 @@ def project_lookahead(
     entries = torch.where(values > NEG_INF, entries, -1)  # no empty single leaves a group
     singles = merge_buckets(entries, values, tail, projection.num_student)
     return _with_groups(singles, entries, *grouped, groups)
+
+
+def _alternatives(
+    ids: Tensor, lp: Tensor, first: Tensor, groups: PrefixGroups
+) -> tuple[tuple[Tensor, Tensor], Tensor]:
+    """The KD position's top-k entries `ids [C, K]` other than the chunk's first teacher token
+    `first [C, 1]` that have an event: (their events, −1 elsewhere; their log-probs), and the
+    mask of those entries."""
+    event = groups.teacher_event.first_piece[ids.clamp(min=0)]
+    alt = (ids != first) & (ids >= 0) & (event >= 0)
+    return (torch.where(alt, event, -1), torch.where(alt, lp, NEG_INF)), alt
 
 
 def _with_groups(

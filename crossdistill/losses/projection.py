@@ -198,7 +198,7 @@ class Buckets:
 
     `group_from` (the `lookahead_prefix` target): slots from that column on are groups of
     student tokens (`PrefixGroups` events, the same slot rules among themselves), those before
-    it single student tokens; a group holds its event's tokens other than the row's singles."""
+    it single student tokens; no group holds one of the row's singles."""
 
     ids: Tensor  # [M, B] int64
     logq: Tensor  # [M, B]

@@ -40,16 +40,19 @@ def _part_loss(part: Part, logp: Tensor, weight: Tensor) -> Tensor:
         tail_s = None if part.logq_tail is None else _tail(logp, ids, None)
         return div.uld(part.logq, top, weight, part.logq_tail, tail_s)
     if part.groups is not None:
-        return _grouped_loss(part, logp, weight)
-    logp_b = torch.where(part.valid, logp.gather(1, part.ids), NEG_INF)
+        logp_b, tail = _grouped_buckets(part, logp)
+    else:
+        logp_b = torch.where(part.valid, logp.gather(1, part.ids), NEG_INF)
+        tail = _tail(logp, part.ids, part.valid)
     lq = torch.cat([part.logq, part.logq_tail.unsqueeze(1)], 1)
-    lp = torch.cat([logp_b, _tail(logp, part.ids, part.valid).unsqueeze(1)], 1)
+    lp = torch.cat([logp_b, tail.unsqueeze(1)], 1)
     return _BUCKET_FNS[part.divergence](lq, lp, weight, **part.params)
 
 
-def _grouped_loss(part: Part, logp: Tensor, weight: Tensor) -> Tensor:
-    """Buckets of token groups: the log of each group's total, without the row's single-token
-    buckets (the first `group_from`), which keep their own log-probabilities."""
+def _grouped_buckets(part: Part, logp: Tensor) -> tuple[Tensor, Tensor]:
+    """Log-probabilities of a grouped part's buckets `[N, B]` and of its tail `[N]`: the log of
+    each group's total, without the row's single-token buckets (the first `group_from`), which
+    keep their own."""
     g = part.group_from
     singles, groups = part.ids[:, :g], part.ids[:, g:]
     marks = torch.zeros_like(logp).scatter_add(1, singles, part.valid[:, :g].to(logp.dtype))
@@ -60,10 +63,7 @@ def _grouped_loss(part: Part, logp: Tensor, weight: Tensor) -> Tensor:
     full = total > 0  # an event no student token has: −inf, with a finite gradient path
     logp_e = torch.where(full, torch.where(full, total, 1.0).log(), NEG_INF)
     logp_b = torch.cat([logp.gather(1, singles), logp_e.gather(1, groups)], 1)
-    logp_b = torch.where(part.valid, logp_b, NEG_INF)
-    lq = torch.cat([part.logq, part.logq_tail.unsqueeze(1)], 1)
-    lp = torch.cat([logp_b, _tail(logp_e, groups, part.valid[:, g:]).unsqueeze(1)], 1)
-    return _BUCKET_FNS[part.divergence](lq, lp, weight, **part.params)
+    return torch.where(part.valid, logp_b, NEG_INF), _tail(logp_e, groups, part.valid[:, g:])
 
 
 def reference_loss(

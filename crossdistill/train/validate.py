@@ -89,10 +89,10 @@ def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
         _check_top_k(t, i, student.hf_config.vocab_size, r.hf_config.vocab_size)
         if t.target in PREFIX_TARGETS and cfg.student.parallel.tp > 1:
             raise UserError(
-                f"teachers.{i}.target = {t.target} sums the student's probabilities over groups of "
-                f"tokens anywhere in its vocabulary, which student.parallel.tp = "
-                f"{cfg.student.parallel.tp} splits over ranks: use target first_piece, context or lookahead, "
-                "or a student without tensor parallelism"
+                f"teachers.{i}.target = {t.target} sums the student's probabilities over "
+                f"groups of tokens anywhere in its vocabulary, which student.parallel.tp = "
+                f"{cfg.student.parallel.tp} splits over ranks: use target first_piece, context "
+                "or lookahead, or a student without tensor parallelism"
             )
     return student, teachers
 
