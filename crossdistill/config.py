@@ -35,7 +35,7 @@ LossName = Literal[
 DISTRIBUTION_LOSSES: tuple[str, ...] = get_args(DistributionLoss)
 LOSSES: tuple[str, ...] = get_args(LossName)
 Target = Literal[
-    "first_piece", "context", "prefix", "lookahead", "lookahead_end", "lookahead_prefix"
+    "auto", "first_piece", "context", "prefix", "lookahead", "lookahead_end", "lookahead_prefix"
 ]
 TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
@@ -123,6 +123,8 @@ class TeacherConfig(ModelConfig):
     alpha: float = 0.1  # skew_kl skew
     projection: str | None = None  # prebuilt projection file; built on the fly when absent
     # the projected losses' target at a chunk of one student token over several teacher tokens:
+    # "auto" chooses at load from how the pair aligns on the training text (train/auto_target.py:
+    # first_piece for near pairs, lookahead_prefix for far ones);
     # "first_piece" gives the teacher's first token's mass to its first student piece;
     # "context" gives the part that continues to the student's observed token to that token;
     # "prefix" compares the teacher's token with the group of student tokens whose bytes start
@@ -133,7 +135,7 @@ class TeacherConfig(ModelConfig):
     # continuations that the student spells with a longer token get that token's share;
     # "lookahead_prefix" is "lookahead" with the teacher's other tokens at the KD position
     # compared, as "prefix" does, with the groups of student tokens that start with them
-    target: Target = "first_piece"
+    target: Target = "auto"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
     cache: str | None = None

@@ -204,7 +204,7 @@ class QualitySpec:
         for name in self.targets:
             if name not in TARGETS:
                 raise UserError(f"unknown --target {name!r}; use one of {', '.join(TARGETS)}")
-        for name in sorted(set(self.targets) - {"first_piece"}):
+        for name in sorted(set(self.targets) - {"auto", "first_piece"}):
             if set(self.losses) - set(DISTRIBUTION_LOSSES):
                 raise UserError(
                     f"--target {name} applies to the projected losses only "
@@ -456,6 +456,16 @@ class Job:
         self.on_done(bpb)
 
 
+def chosen_target(cfg: Config) -> str:
+    """What `target: auto` of the run `cfg`'s one teacher chooses, as the run will."""
+    from crossdistill.models import load_tokenizer
+    from crossdistill.train.auto_target import resolve_targets
+
+    tok_s = load_tokenizer(cfg.student.tokenizer or cfg.student.path)
+    tok_t = load_tokenizer(cfg.teachers[0].tokenizer or cfg.teachers[0].path)
+    return resolve_targets(cfg, tok_s, [tok_t])[0][0].target
+
+
 def train_one(raw: dict[str, Any]) -> float:
     """One run in a process of its own (`--jobs` above 1): its held-out bits per byte."""
     from crossdistill.train.demo import run_stage
@@ -501,6 +511,7 @@ class Experiment:
         self.teacher_paths: dict[str, Path] = {}
         self.teacher_info: dict[str, dict[str, Any]] = {}
         self.runs: dict[str, dict[int, float]] = {}
+        self.chosen: dict[str, str] = {}  # cell -> what its `target: auto` chose
         self.t0 = time.perf_counter()
 
     def run(self) -> dict[str, Any]:
@@ -608,6 +619,10 @@ class Experiment:
             progress=False, train_file=student_train_file(self.data, s),
         )  # fmt: skip
 
+        cross = cell.teacher not in (None, self.same_label)
+        if cross and cell.target == "auto" and cell.name not in self.chosen:
+            self.chosen[cell.name] = chosen_target(cfg)
+
         def done(bpb: float) -> None:
             self.runs.setdefault(cell.name, {})[seed] = bpb
 
@@ -630,6 +645,9 @@ class Experiment:
     def report(self) -> dict[str, Any]:
         """The summary so far, also written to OUT/summary.json."""
         report = summarize(self.teachers, self.runs, self.cells, self.same_label, self.spec)
+        for entry in report["cross"]:
+            if entry["cell"] in self.chosen:
+                entry["chosen_target"] = self.chosen[entry["cell"]]
         s = self.spec.scale
         report["teacher_runs"] = self.teacher_info
         report["settings"] = {

@@ -172,6 +172,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
         label = f"cross KD {entry['tokenizer']} {entry['loss']}"
         if entry["target"] != TeacherConfig.target:
             label += f" {entry['target']}"
+        elif "chosen_target" in entry:
+            label += f" ({entry['target']}: {entry['chosen_target']})"
         gap = entry.get("gap_closed")
         gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
         every = "" if entry["beats_ce_every_seed"] else "   (not better than CE on every seed)"

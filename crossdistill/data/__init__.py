@@ -17,6 +17,7 @@ _WHERE = {
     "StudentBatch": "batch",
     "TeacherBatch": "batch",
     "build_loader": "build",
+    "sample_texts": "build",
     "BadInputPolicy": "documents",
     "Message": "documents",
     "check_document": "documents",

@@ -164,3 +164,37 @@ def _check_validation_fills_a_batch(stream: PackedStream, paths: list[str]) -> N
         f"({spec.batch_size} sequences of up to {spec.seq_len} tokens); give more validation "
         "data, raise data.val_fraction, or lower data.micro_batch_size"
     )
+
+
+def sample_texts(cfg: DataConfig, num_bytes: int, rows_per_file: int = 256) -> list[str]:
+    """About `num_bytes` UTF-8 bytes of the training text: from each file an equal share, read
+    from up to `rows_per_file` documents spread evenly over it (a chat document is its
+    messages' contents, one per line; a long document gives its start). The same sample on
+    every rank and in every run; bad rows are passed over (the loaders report them)."""
+    import numpy as np
+
+    from crossdistill.data.documents import check_document
+
+    chat = cfg.messages_field is not None
+    field = cfg.messages_field if chat else cfg.text_field
+    paths = _paths(cfg, "train")[0]
+    per_file = -(-num_bytes // len(paths))
+    texts: list[str] = []
+    for path in paths:
+        source = open_source(path, cfg.format, field)
+        n = source.num_rows
+        # at least 256 characters a document: fewer documents where the share is small
+        count = min(n, rows_per_file, max(per_file // 256, 1))
+        rows = np.unique(np.linspace(0, n - 1, count).astype(np.int64))
+        per_doc = max(per_file // max(len(rows), 1), 256)
+        taken = 0
+        for row in rows.tolist():
+            doc = check_document(source.read(row, row + 1)[0], "chat" if chat else "text", field)
+            if isinstance(doc, list):
+                doc = "\n".join(m.content for m in doc if m.content)
+            if isinstance(doc, str):
+                texts.append(doc[:per_doc])
+                taken += len(texts[-1].encode())
+            if taken >= per_file:
+                break
+    return texts

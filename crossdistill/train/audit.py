@@ -33,16 +33,10 @@ from typing import Any
 import numpy as np
 
 from crossdistill.errors import UserError
+from crossdistill.train.auto_target import FAR_PAIR_RIGHT, NEAR_PAIR_RIGHT, first_piece_kinds
 
 CLASSES = ("digits", "whitespace", "non_latin", "special")
 FIRST_PIECE_KINDS = ("right", "student_longer", "student_shorter", "other")
-# Where the first-piece target is right (share of KD positions) on the measured pairs
-# (benchmarks/README.md, "Cross-tokenizer quality" and "The demo"): near pairs (Qwen3 and
-# Phi-4-mini for a Llama-3 student, 98-99%) keep the first piece; far pairs (Llama-2 and
-# Mistral, 74-80%) take the lookahead target with prefix groups; between the two (the demo's
-# pair, 88%) the first piece measured better, and no rule is measured.
-NEAR_PAIR_RIGHT = 0.95
-FAR_PAIR_RIGHT = 0.80
 
 
 # ---------------------------------------------------------------- text
@@ -191,25 +185,6 @@ def audit_pair(
     return report
 
 
-def first_piece_kinds(
-    ids_s: np.ndarray, ids_t: np.ndarray, chunks: np.ndarray, first: np.ndarray
-) -> dict[str, np.ndarray]:
-    """Per KD position (chunk start with a token before it on both sides), as boolean masks:
-    whether the first-piece projection of the teacher's observed token is the student's
-    observed token (`right`); else whether the student's token spans several of the teacher's
-    (`student_longer`), the teacher's spans several of the student's (`student_shorter`), or
-    neither (`other`)."""
-    c = chunks[(chunks[:, 0] > 0) & (chunks[:, 2] > 0)]
-    right = first[ids_t[c[:, 2]]] == ids_s[c[:, 0]]
-    one_s, one_t = c[:, 1] - c[:, 0] == 1, c[:, 3] - c[:, 2] == 1
-    return {
-        "right": right,
-        "student_longer": ~right & one_s & ~one_t,
-        "student_shorter": ~right & ~one_s & one_t,
-        "other": ~right & ~(one_s ^ one_t),
-    }
-
-
 def _class_stats(member: np.ndarray, one: np.ndarray, len_s, len_t) -> dict[str, float]:
     n = int(member.sum())
     return {
@@ -290,18 +265,20 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "groups of student tokens that start with them (Llama-2 and Mistral -> Llama-3, "
             "bench quality, H100, KD 0.5: better than `target: lookahead` on 9 of 15 paired "
             "seeds over three runs, -0.7% on average, which was better than `target: context` "
-            "on 13 of 15); it runs the loss pass without the fused kernels (0.886 of "
-            "`lookahead`'s step throughput): use `target: lookahead` where that matters or the "
-            "student is tensor-parallel, and `target: context` with a teacher cache, which "
-            "holds one position per student token"
+            "on 13 of 15); `target: auto` (the default) chooses it for this pair. It runs the "
+            "loss pass without the fused kernels (0.874 of the first piece's step throughput): "
+            "name `target: lookahead` where that matters; `auto` takes `lookahead` for a "
+            "tensor-parallel student and `context` with a teacher cache, which holds one "
+            "position per student token"
         )
         warnings.append(
             "far pair: pairs like this (Llama-2 and Mistral -> Llama-3) gained less than a "
-            "same-tokenizer teacher at the gpu scale of bench quality on one of two corpora "
-            "(lookahead_prefix target: -0.6% and -1.0% bits per byte on the standard library, "
+            "same-tokenizer teacher at the gpu scale of bench quality on one of three corpora "
+            "(lookahead_prefix target: -0.6% to -1.3% bits per byte on the standard library, "
             "against -2.1% for same-tokenizer KD; -2.6% against -2.7% on the Python docs and "
-            "verse; first piece +1.8%; KD weight 0.9 +6 to +17%); keep kd_ratio <= 0.5 and "
-            "check with `crossdistill bench quality` on your corpus"
+            "verse; -3.6% against -4.5% on C headers; first piece +1.8%; KD weight 0.9 +6 to "
+            "+17%); keep kd_ratio <= 0.5 and check with `crossdistill bench quality` on your "
+            "corpus"
         )
     else:
         rec["why"] = (

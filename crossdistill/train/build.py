@@ -21,6 +21,7 @@ from crossdistill.losses import (
     VocabProjection,
 )
 from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
+from crossdistill.train.auto_target import resolve_targets
 from crossdistill.train.optim import build_optimizer, build_scheduler
 from crossdistill.train.teacher_cache import check_coverage, open_cache
 from crossdistill.train.validate import check_vocab, validate_config
@@ -41,6 +42,7 @@ class Components:
     env: DistEnv = field(default_factory=DistEnv)
     placement: Placement | None = None  # how the step is laid out over the job's ranks
     fused: dict[str, torch.Tensor] = field(default_factory=dict)  # TP row orders (see tp_plans)
+    notes: list[str] = field(default_factory=list)  # what was chosen at load, for the run's log
 
 
 def build_projection_for(
@@ -109,7 +111,8 @@ def _padded(
 @dataclass
 class RunPlan:
     """What every process of a run settles first, whatever its role: the checked config's
-    models, every layout, tokenizers, this process's placement, the teacher caches."""
+    models, every layout, tokenizers, this process's placement, the teacher caches, and the
+    teachers' settings with every `target: auto` chosen (`teachers`; `notes` say why)."""
 
     resolved_s: Any
     resolved_t: list[Any]
@@ -118,6 +121,8 @@ class RunPlan:
     toks_t: list[Any]
     placement: Placement
     caches: list[Any]
+    teachers: list[TeacherConfig]
+    notes: list[str]
 
     def loaders(self, cfg: Config, data_rank: int, data_size: int) -> tuple[Any, Any]:
         """Train and validation loaders of data rank `data_rank` of `data_size`."""
@@ -147,7 +152,10 @@ def plan_run(cfg: Config, env: DistEnv) -> RunPlan:
         for i, (t, tok) in enumerate(zip(cfg.teachers, toks_t))
     ]
     check_coverage(cfg, caches)
-    return RunPlan(resolved_s, resolved_t, layouts, tok_s, toks_t, placement, caches)
+    teachers, notes = resolve_targets(cfg, tok_s, toks_t)
+    return RunPlan(
+        resolved_s, resolved_t, layouts, tok_s, toks_t, placement, caches, teachers, notes
+    )
 
 
 def _device_memory(device: torch.device) -> int | None:
@@ -167,16 +175,16 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
     rows_s = run.resolved_s.hf_config.vocab_size
     projections = [
         build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
-        for t, tok, r in zip(cfg.teachers, toks_t, run.resolved_t)
+        for t, tok, r in zip(run.teachers, toks_t, run.resolved_t)
     ]
     train_loader, val_loader = run.loaders(cfg, placement.data_rank, placement.data_size)
     student, models_t, fused = parallel_models(cfg, placement)
-    streams = target_streams(cfg, env, run.layouts, placement.data_rank, run.resolved_t)
+    streams = target_streams(run, cfg, env, placement.data_rank)
     slots = [
         TeacherSlot(
             None if model is None else Teacher(model, t.name, offload=t.offload), t, proj, stream
         )
-        for t, model, proj, stream in zip(cfg.teachers, models_t, projections, streams)
+        for t, model, proj, stream in zip(run.teachers, models_t, projections, streams)
     ]
     optimizer = build_optimizer(student, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -194,17 +202,17 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
         env,
         placement,
         fused,
+        run.notes,
     )
 
 
-def target_streams(
-    cfg: Config, env: DistEnv, layouts: Any, data_rank: int, resolved_t: list[Any]
-) -> list[Any]:
+def target_streams(run: RunPlan, cfg: Config, env: DistEnv, data_rank: int) -> list[Any]:
     """Per teacher, the student's end of its target stream (None for a colocated teacher)."""
     from crossdistill.distributed.streams import TargetStream, teacher_source
 
+    layouts, resolved_t = run.layouts, run.resolved_t
     out: list[Any] = []
-    for k, t in enumerate(cfg.teachers):
+    for k, t in enumerate(run.teachers):
         if not layouts.separate[k]:
             out.append(None)
             continue

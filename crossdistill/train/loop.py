@@ -107,6 +107,8 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                 f"warning: train.kd_ratio = {cfg.train.kd_ratio} but no teacher is configured: "
                 "training on cross-entropy alone (add teachers, or set train.kd_ratio=0)"
             )
+        for note in c.notes:
+            logger.write(note)
         for slot in c.slots:
             if slot.stream is not None:
                 source = slot.stream.source

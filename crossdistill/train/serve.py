@@ -38,7 +38,7 @@ def serve_teacher(
     torch.manual_seed(cfg.train.seed)
     run = plan_run(cfg, env)
     k = run.layouts.teacher_of(env.role)
-    tcfg, place = cfg.teachers[k], run.placement
+    tcfg, place = run.teachers[k], run.placement
     placed = place.teachers[k]
     student = run.layouts.student
     # this group's share of the student's data ranks

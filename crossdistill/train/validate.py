@@ -107,7 +107,7 @@ def _check_top_k(t: Any, i: int, vocab_s: int, vocab_t: int) -> None:
     student's vocabulary. A forward KL is infinite once the projected top-k can cover every
     student id while the teacher keeps mass outside its top-k (k < its vocabulary): that mass
     would land on a student bucket of probability 0."""
-    if t.target != "first_piece" and t.loss not in DISTRIBUTION_LOSSES:
+    if t.target not in ("auto", "first_piece") and t.loss not in DISTRIBUTION_LOSSES:
         raise UserError(
             f"teachers.{i}.target = {t.target} needs a projected loss "
             f"({', '.join(DISTRIBUTION_LOSSES)}), not {t.loss}: set teachers.{i}.target=first_piece"

@@ -1,0 +1,131 @@
+"""`teachers.N.target: auto` (the default): each teacher's target chosen at load, from how its
+tokenizer pair aligns on the run's own training text.
+
+The measure is the one `crossdistill audit` reports: at each KD position, whether the first-piece
+projection of the teacher's observed token is the student's observed token (`first_piece_right`).
+The rule follows what `crossdistill bench quality` measured (benchmarks/README.md,
+"Cross-tokenizer quality"):
+
+- **Near pairs and pairs between** (right at more than `FAR_PAIR_RIGHT`): `first_piece`. On the
+  near pairs (Qwen3 and Phi-4-mini for a Llama-3 student, 98-99% right) it taught what
+  same-tokenizer KD teaches; on the demo's pair (88%) it beat the context and lookahead targets.
+- **Far pairs** (at most `FAR_PAIR_RIGHT`; Llama-2 and Mistral for a Llama-3 student, 74-80%):
+  the first piece made the student worse than CE only, and `lookahead_prefix` closed the most
+  of the gap. Where the run cannot take it, the next best it can: `lookahead` for a
+  tensor-parallel student (the prefix groups sum over the whole student vocabulary, which
+  tensor parallelism splits), `context` for a teacher read from a cache (it holds one position
+  per student token).
+
+A teacher with the student's tokenizer, or a loss without a projected target
+(`chunk_likelihood`, `uld`, `gold`), gets `first_piece`, the target having nothing to do there.
+The sample is the same on every rank, so every process of a job makes the same choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig
+
+# share of KD positions where the first piece is right: at or below it, a far pair
+FAR_PAIR_RIGHT = 0.80
+# at or above it, a near pair (the audit's wording; the choice is the first piece either way)
+NEAR_PAIR_RIGHT = 0.95
+# text read to measure a pair: tens of thousands of KD positions, a second or two to tokenize
+SAMPLE_BYTES = 1 << 18
+
+
+def first_piece_kinds(
+    ids_s: np.ndarray, ids_t: np.ndarray, chunks: np.ndarray, first: np.ndarray
+) -> dict[str, np.ndarray]:
+    """Per KD position (chunk start with a token before it on both sides), as boolean masks:
+    whether the first-piece projection of the teacher's observed token is the student's
+    observed token (`right`); else whether the student's token spans several of the teacher's
+    (`student_longer`), the teacher's spans several of the student's (`student_shorter`), or
+    neither (`other`)."""
+    c = chunks[(chunks[:, 0] > 0) & (chunks[:, 2] > 0)]
+    right = first[ids_t[c[:, 2]]] == ids_s[c[:, 0]]
+    one_s, one_t = c[:, 1] - c[:, 0] == 1, c[:, 3] - c[:, 2] == 1
+    return {
+        "right": right,
+        "student_longer": ~right & one_s & ~one_t,
+        "student_shorter": ~right & ~one_s & one_t,
+        "other": ~right & ~(one_s ^ one_t),
+    }
+
+
+def first_piece_right(tok_s: Any, tok_t: Any, texts: list[str]) -> tuple[float, int]:
+    """(share of KD positions where the first piece is right, number of KD positions) over
+    `texts`, encoded as training encodes a document."""
+    from crossdistill.alignment import align_batch
+    from crossdistill.alignment.projection import build_projection
+    from crossdistill.data.aligned import Pipeline
+    from crossdistill.data.encoders import TokenizerSide
+
+    pipe = Pipeline(TokenizerSide(tok_s, fast=False), TokenizerSide(tok_t, fast=False))
+    first = build_projection(tok_t, tok_s).first_piece.numpy()
+    ids_s, ids_t = pipe.encode(texts)
+    right = total = 0
+    for a, s, t in zip(align_batch(ids_s, ids_t, pipe.bytes_s, pipe.bytes_t), ids_s, ids_t):
+        hits = first_piece_kinds(np.asarray(s), np.asarray(t), a.chunks, first)["right"]
+        right, total = right + int(hits.sum()), total + hits.size
+    return right / max(total, 1), total
+
+
+def choose_target(
+    right: float | None, loss: str, cached: bool, tensor_parallel: bool
+) -> tuple[str, str]:
+    """(target, why) for a cross-tokenizer teacher whose first piece is right at `right` of KD
+    positions (None: not measured, no text)."""
+    if loss not in DISTRIBUTION_LOSSES:
+        return "first_piece", f"{loss} has no projected target"
+    if right is None:
+        return "first_piece", "no training text to measure the pair on"
+    share = f"the first piece is right at {right:.1%} of KD positions"
+    if right > FAR_PAIR_RIGHT:
+        kind = "a near pair" if right >= NEAR_PAIR_RIGHT else "between the near and far pairs"
+        return "first_piece", f"{share}: {kind}, where the first piece measured best"
+    far = f"{share} (at most {FAR_PAIR_RIGHT:.0%}): a far pair"
+    if cached:
+        return "context", f"{far}; lookahead_prefix needs the live teacher, a cache holds one row"
+    if tensor_parallel:
+        return "lookahead", f"{far}; lookahead_prefix does not take a tensor-parallel student"
+    return "lookahead_prefix", far
+
+
+def resolve_targets(
+    cfg: Config, tok_s: Any, toks_t: list[Any]
+) -> tuple[list[TeacherConfig], list[str]]:
+    """`cfg.teachers` with every `auto` target chosen (the others as given), and one line per
+    choice saying why."""
+    from crossdistill.data.build import sample_texts
+    from crossdistill.models import tokenizer_fingerprint
+
+    texts: list[str] | None = None
+    measured: dict[str, tuple[float, int] | None] = {}
+    teachers, notes = [], []
+    for i, (t, tok) in enumerate(zip(cfg.teachers, toks_t)):
+        if t.target != "auto":
+            teachers.append(t)
+            continue
+        key = tokenizer_fingerprint(tok)
+        if key == tokenizer_fingerprint(tok_s):
+            target, why = "first_piece", "the student's own tokenizer"
+        else:
+            if key not in measured and t.loss in DISTRIBUTION_LOSSES:
+                texts = sample_texts(cfg.data, SAMPLE_BYTES) if texts is None else texts
+                found = first_piece_right(tok_s, tok, texts)
+                measured[key] = found if found[1] else None
+            share = measured.get(key)
+            target, why = choose_target(
+                None if share is None else share[0],
+                t.loss,
+                cached=t.cache is not None,
+                tensor_parallel=cfg.student.parallel.tp > 1,
+            )
+        teachers.append(replace(t, target=target))
+        notes.append(f"teachers.{i} ({t.name}): target auto -> {target}: {why}")
+    return teachers, notes
