@@ -13,7 +13,7 @@ import time
 import pytest
 
 from crossdistill.bench.quality import PIECE_BYTES, QualitySpec, corpus_pieces, split_pieces
-from crossdistill.bench.quality_report import Cell, print_table, summarize
+from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
 from crossdistill.cli import main
 from crossdistill.config import TeacherConfig
 from crossdistill.errors import UserError
@@ -46,6 +46,31 @@ def test_gap_closed_per_seed_then_mean_and_spread(tmp_path):
     assert entry["tokenizer"] == "qwen3" and entry["loss"] == "kl" and entry["refused"] is None
     assert report["ce_only"]["mean"] == pytest.approx(2.1) and report["ce_only"]["n"] == 3
     assert report["teachers"] == teachers and report["default_loss"]
+
+
+def test_gap_closed_of_the_means_and_its_bootstrap_interval(tmp_path):
+    """The ratio of the cells' mean gains over the paired seeds, by hand; its interval holds it,
+    is the same when rebuilt, collapses when every seed says the same, and leaves out the
+    resamples whose same-tokenizer gain is not positive."""
+    report = summarize(
+        {"llama3": 1.0, "qwen3": 1.0}, _runs({0: 1.9, 1: 1.95, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    means = report["cross"][0]["gap_closed_of_means"]
+    assert means["value"] == pytest.approx((2.1 - 1.9166666666666667) / 0.2, abs=1e-12)
+    assert means["low"] <= means["value"] <= means["high"] and means["used"] == 4000
+    assert gap_of_means([2.0, 2.1, 2.2], [1.8, 1.9, 2.0], [1.9, 1.95, 1.9]) == means
+    flat = gap_of_means([2.0] * 4, [1.8] * 4, [1.85] * 4)
+    assert flat["value"] == flat["low"] == flat["high"] == pytest.approx(0.75, abs=1e-12)
+    # seed 1's same-tokenizer KD loses: resamples of seed 1 alone have no gap to close
+    mixed = gap_of_means([2.0, 2.0], [1.8, 2.1], [1.9, 2.0])
+    assert mixed["value"] == pytest.approx(0.1 / 0.1) and 0 < mixed["used"] < 4000
+    assert gap_of_means([2.0], [2.1], [1.9]) == {
+        "value": None,
+        "low": None,
+        "high": None,
+        "used": 0,
+    }
 
 
 def test_a_seed_where_cross_kd_loses_is_reported(tmp_path):
