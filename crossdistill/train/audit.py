@@ -33,7 +33,12 @@ from typing import Any
 import numpy as np
 
 from crossdistill.errors import UserError
-from crossdistill.train.auto_target import FAR_PAIR_RIGHT, NEAR_PAIR_RIGHT, first_piece_kinds
+from crossdistill.train.auto_target import (
+    FAR_PAIR_RIGHT,
+    NEAR_PAIR_RIGHT,
+    choose_target,
+    first_piece_kinds,
+)
 
 CLASSES = ("digits", "whitespace", "non_latin", "special")
 FIRST_PIECE_KINDS = ("right", "student_longer", "student_shorter", "other")
@@ -245,7 +250,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     rec = {
         "loss": "forward_kl",
         "top_k": 64,
-        "target": "lookahead_prefix" if far else "first_piece",
+        # what `target: auto` takes for a live teacher and a student without tensor parallelism
+        "target": choose_target(right, "forward_kl", cached=False, tensor_parallel=False)[0],
         "kd_ratio": 0.5,
     }
     if right >= NEAR_PAIR_RIGHT:
@@ -422,7 +428,8 @@ def print_report(r: dict[str, Any]) -> None:
     rec = r["recommendation"]
     print(
         f"recommendation         loss {rec['loss']}, top_k {rec['top_k']}, target "
-        f"{rec['target']}, kd_ratio {rec['kd_ratio']}\n  ({rec['why']})"
+        f"{rec['target']} (what the default, auto, takes here), kd_ratio {rec['kd_ratio']}\n"
+        f"  ({rec['why']})"
     )
     for w in r["warnings"]:
         print(f"warning: {w}")

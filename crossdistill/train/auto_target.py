@@ -87,7 +87,8 @@ def choose_target(
     share = f"the first piece is right at {right:.1%} of KD positions"
     if right > FAR_PAIR_RIGHT:
         kind = "a near pair" if right >= NEAR_PAIR_RIGHT else "between the near and far pairs"
-        return "first_piece", f"{share}: {kind}, where the first piece measured best"
+        above = f"above {FAR_PAIR_RIGHT:.0%}"
+        return "first_piece", f"{share} ({above}): {kind}, where the first piece measured best"
     far = f"{share} (at most {FAR_PAIR_RIGHT:.0%}): a far pair"
     if cached:
         return "context", f"{far}; lookahead_prefix needs the live teacher, a cache holds one row"
