@@ -7,4 +7,5 @@ the student's schedule, sending targets), `checkpoint.py` (DCP checkpoints of ev
 layout, the Hugging Face export), `metrics.py`, `demo.py`, `cache_build.py` (a teacher cache
 built over a config's corpus), `teacher_cache.py` (`crossdistill cache build|inspect`, and the
 checks a run does before it reads a cache), `audit.py` (`crossdistill audit`: a tokenizer pair
-on the user's text). Imports every part below it; only `bench` and `cli` import it."""
+on the user's text), `auto_target.py` (`teachers.N.target: auto`: each teacher's target chosen
+at load from how its pair aligns on the training text). Imports every part below it; only `bench` and `cli` import it."""

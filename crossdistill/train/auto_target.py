@@ -34,7 +34,8 @@ from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig
 FAR_PAIR_RIGHT = 0.80
 # at or above it, a near pair (the audit's wording; the choice is the first piece either way)
 NEAR_PAIR_RIGHT = 0.95
-# text read to measure a pair: tens of thousands of KD positions, a second or two to tokenize
+# text read to measure a pair: tens of thousands of KD positions, small enough to tokenize at
+# every load on every rank
 SAMPLE_BYTES = 1 << 18
 
 
