@@ -10,6 +10,8 @@
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
   lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
   other tokens (`teachers.N.target`).
+- `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
+  its PyTorch reference), the second for targets with token-group buckets.
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
   quantisation the teacher cache shares.
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from crossdistill.losses.divergences import bucket_terms
+from crossdistill.losses.group_kernels import GroupRows, group_coef_at, group_grad, group_stats
 from crossdistill.losses.kernels import bucket_bits, logit_grad, row_stats
 from crossdistill.losses.plan import Part, Plan
 from crossdistill.losses.sharding import VocabShard
@@ -276,9 +277,11 @@ def label_terms(plan: Plan, sl: slice, logp: Tensor, loss: Tensor) -> tuple[Tens
 def chunk_step_fused(
     z: Tensor, sl: slice, plan: Plan, label_coef: Tensor, want_grad: bool, grad_dtype
 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor, Tensor]:
-    """`chunked.chunk_step` with the vocabulary-wide passes in two kernels. `z [c, V]` is in the
+    """`chunked.chunk_step` with the vocabulary-wide passes in kernels. `z [c, V]` is in the
     matmul dtype (bf16 logits, as a plain bf16 lm_head gives them; all softmax math is float32)
-    and is consumed: the gradient is written over it when `grad_dtype` is its dtype."""
+    and is consumed: the gradient is written over it when `grad_dtype` is its dtype. A part
+    with token-group buckets takes its groups' and tail's mass from `group_kernels.group_stats`
+    and its groups' gradient from `group_kernels.group_grad`."""
     vocab = z.shape[1]
     acc = torch.float64 if z.dtype == torch.float64 else torch.float32
     labels0 = plan.labels[sl].clamp(min=0).unsqueeze(1)
@@ -286,11 +289,13 @@ def chunk_step_fused(
     picked = [[select(z, p, sl) for p in t.parts] for t in plan.terms]
     picked = [[(v.to(acc), ids) for v, ids in row] for row in picked]
     taus = [1.0] + [t for t in plan.temperatures if t != 1.0]
-    masks, mask_tau, tails = [], [], {}
+    masks, mask_tau, tails, grouped = [], [], {}, {}
     for ti, term in enumerate(plan.terms):
         for pi, (part, (_, ids)) in enumerate(zip(term.parts, picked[ti])):
-            if part.logq_tail is not None:
-                valid = None if part.valid is None else part.valid[sl]
+            valid = None if part.valid is None else part.valid[sl]
+            if part.groups is not None:
+                grouped[ti, pi] = _group_rows(part, ids, valid, term.temperature, vocab)
+            elif part.logq_tail is not None:
                 tails[ti, pi] = len(masks)
                 masks.append(bucket_bits(ids, valid, vocab))
                 mask_tau.append(taus.index(term.temperature))
@@ -308,32 +313,65 @@ def chunk_step_fused(
         for pi, (part, (z_sel, ids)) in enumerate(zip(term.parts, picked[ti])):
             e_ids = ((z_sel - zmax.unsqueeze(1)) / tau).exp()
             s_tail = None
-            if (ti, pi) in tails:
+            if (ti, pi) in grouped:
+                rows, bits = grouped[ti, pi]
+                e_groups, s_tail = group_stats(z, zmax, rows, bits)
+                tiny = torch.finfo(acc).tiny
+                z_groups = tau * e_groups.to(acc).clamp(min=tiny).log() + zmax.unsqueeze(1)
+                z_sel = torch.cat([z_sel, z_groups], 1)
+                e_ids = torch.cat([e_ids, e_groups.to(acc)], 1)
+                s_tail = finish_tail(part, sl, ids, s_tail.to(acc), part.num_events + 1)
+            elif (ti, pi) in tails:
                 s_tail = finish_tail(part, sl, ids, tail_all[:, tails[ti, pi]], vocab)
-            rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-            term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
-            loss = loss + weighted_sum(rows, weight)
+            rows_d, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
+            term_sums[ti] += weighted_sum(rows_d, term.report_weight[sl])
+            loss = loss + weighted_sum(rows_d, weight)
             coef[:, t] += a
-            fixes.append((ids, corr))
+            if (ti, pi) in grouped:
+                g = part.group_from
+                fixes.append((ids[:, :g], corr[:, :g]))
+                e_g, corr_g = e_ids[:, g:], corr[:, g:]
+                rows.coef = torch.where(e_g > 0, corr_g / torch.where(e_g > 0, e_g, 1.0), 0.0)
+            else:
+                fixes.append((ids, corr))
     s1 = s_all[:, 0]
     loss, logp_label = label_terms(plan, sl, z_label - zmax - s1.log(), loss)
     coef[:, 0] += label_coef / s1
     fixes.append((labels0, -label_coef.unsqueeze(1)))
     if not want_grad:
         return None, loss, term_sums, logp_label, argmax
-    ids, exact = exact_at_ids(z, zmax, taus, coef, fixes)  # reads z: before it is overwritten
-    out = logit_grad(z, zmax, taus, coef, grad_dtype)
+    groups = [rows for rows, _ in grouped.values()]
+    # reads z: before the gradient is written over it
+    ids, exact = exact_at_ids(z, zmax, taus, coef, fixes, groups)
+    if groups:
+        out = group_grad(z, zmax, taus, coef, groups, grad_dtype)
+    else:
+        out = logit_grad(z, zmax, taus, coef, grad_dtype)
     out.scatter_(1, ids, exact.to(out.dtype))  # equal values for equal ids
     return out, loss, term_sums, logp_label, argmax
 
 
+def _group_rows(
+    part: Part, ids: Tensor, valid: Tensor | None, tau: float, vocab: int
+) -> tuple[GroupRows, Tensor]:
+    """A grouped part's groups on a chunk (`group_kernels.GroupRows`) and the bitmask of its
+    single-token buckets (the first `group_from`), which its tail leaves out."""
+    g = part.group_from
+    events = ids[:, g:]
+    if valid is not None:
+        events = torch.where(valid[:, g:], events, -1)
+    rows = GroupRows(part.groups.int(), events.int(), part.num_events, 1.0 / tau)
+    singles = ids[:, :g]
+    return rows, bucket_bits(singles, None if valid is None else valid[:, :g], vocab)
+
+
 def exact_at_ids(
-    z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, fixes
+    z: Tensor, zmax: Tensor, taus: list[float], coef: Tensor, fixes, groups=()
 ) -> tuple[Tensor, Tensor]:
     """The corrected gradient at every bucket and label id, `[c, F]` ids and float32 values:
-    base `Σ_τ e·coef` plus all corrections at that id, to be written with a single rounding
-    (adding a correction such as CE's `−1` into an already rounded bf16 value would lose the
-    small difference that remains)."""
+    base `Σ_τ e·coef` (with the coefficients of the `groups` an id is in) plus all corrections
+    at that id, to be written with a single rounding (adding a correction such as CE's `−1`
+    into an already rounded bf16 value would lose the small difference that remains)."""
     ids = torch.cat([i for i, _ in fixes], 1)  # [c, F]
     corr = torch.cat([v for _, v in fixes], 1).to(coef.dtype)
     ids, order = ids.sort(1)
@@ -341,6 +379,9 @@ def exact_at_ids(
     prev = torch.nn.functional.pad(ids[:, :-1], (1, 0), value=-1)
     slot = torch.cumsum((ids != prev).long(), 1) - 1  # one slot per distinct id of the row
     total = torch.zeros_like(corr).scatter_add_(1, slot, corr).gather(1, slot)
-    shifted = z.gather(1, ids).to(coef.dtype) - zmax.unsqueeze(1)
+    z_ids = z.gather(1, ids).to(coef.dtype)
+    shifted = z_ids - zmax.unsqueeze(1)
     base = sum(((shifted / tau).exp() * coef[:, t : t + 1] for t, tau in enumerate(taus)), 0.0)
+    if groups:
+        base = base + group_coef_at(ids, z_ids, zmax, groups)
     return ids, base + total

@@ -67,7 +67,8 @@ LOOKAHEAD_DEPTH = 4
 
 LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end", "lookahead_prefix")
 # Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
-# over its whole vocabulary, so neither a vocabulary split nor the fused kernels take them.
+# over its whole vocabulary, so a vocabulary split does not take them (the fused pass does, with
+# `group_kernels`).
 PREFIX_TARGETS = ("prefix", "lookahead_prefix")
 
 

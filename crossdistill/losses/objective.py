@@ -58,7 +58,8 @@ def student_loss(
     A `chunk_likelihood` term costs the chunked pass one extra forward matmul (a first pass
     for the chunk log-likelihoods, which the gradient of every row of the chunk depends on).
     `fused`: do the vocabulary-wide passes in two kernels (`losses.kernels`: Triton on CUDA,
-    their PyTorch reference elsewhere); None = on CUDA when Triton is installed. The fused
+    their PyTorch reference elsewhere; token-group buckets add `losses.group_kernels`); None =
+    on CUDA when Triton is installed. The fused
     pass keeps the logits in the matmul dtype (bf16 under bf16, as a plain lm_head gives them;
     all softmax math is float32), except with a tvd/uld/gold term (`SIGN_LOSSES`).
 
@@ -110,8 +111,6 @@ def student_loss(
         return loss, loss_metrics(plan, loss, term_sums, logp_label, argmax)
     if fused is None:
         fused = hidden.is_cuda and fused_available()
-    if grouped:  # token-group buckets: the PyTorch pass (the kernels take single-token buckets)
-        fused = False
     if fused and not any(t.loss in SIGN_LOSSES for t in terms):
         fused = "low"  # logits may stay in the matmul dtype (see SIGN_LOSSES)
     extra = torch.zeros((), dtype=acc, device=hidden.device)

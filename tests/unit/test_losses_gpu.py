@@ -45,6 +45,12 @@ def _bf16_cuda_against_float64(problem, fused: bool, reference=None) -> None:
     assert rel(h.grad.double().cpu(), gh) < 1e-2 and rel(w.grad.double().cpu(), gw) < 1e-2
 
 
+def _reference_pass(h64, w64, labels, terms):
+    """The full-logits reference backend in float64 on the CPU."""
+    args = (h64, w64, labels, terms, 0.6, ce_count(labels))
+    return student_loss(*args, chunk_size=16, backend="reference")[0]
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("loss", ["forward_kl", "jsd", "uld", "gold", "chunk_likelihood"])
 def test_cuda_bf16_matches_float64(loss, fused):
@@ -58,12 +64,8 @@ def test_cuda_context_target_matches_float64(fused):
     kernels included, against the float64 reference pass on the CPU."""
     from tests.unit.test_context_target import context_terms
 
-    def reference(h64, w64, labels, terms):
-        args = (h64, w64, labels, terms, 0.6, ce_count(labels))
-        return student_loss(*args, chunk_size=16, backend="reference")[0]
-
     problem = context_terms(44, n=64, n_t=60, v_s=3000, v_t=2500, k=32)
-    _bf16_cuda_against_float64(problem, fused, reference)
+    _bf16_cuda_against_float64(problem, fused, _reference_pass)
 
 
 def test_float32_master_weight_under_autocast_matches_float64():
@@ -141,5 +143,42 @@ def test_triton_kernels_match_their_pytorch_reference(loss):
         value.backward()
         out.append((value.item(), h.grad.double().cpu(), w.grad.double().cpu()))
     (a, ah, aw), (b, bh, bw) = out
+    assert abs(a - b) < 1e-5 * abs(a)
+    assert rel(bh, ah) < 1e-5 and rel(bw, aw) < 1e-5
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_cuda_lookahead_prefix_target_matches_float64(fused):
+    """Token-group buckets next to single ones (`lookahead_prefix`): the CUDA pass, the group
+    kernels included, against the float64 reference pass on the CPU."""
+    from tests.unit.test_lookahead_prefix import plan_problem
+
+    hidden, weight, labels, term = plan_problem(3, "forward_kl", tau=1.5)
+    _bf16_cuda_against_float64((hidden, weight, labels, [term]), fused, _reference_pass)
+
+
+def test_triton_group_kernels_match_the_plain_pass_without_synchronizing():
+    """The prefix target on a 5000-token vocabulary, float32: the fused flow with the group
+    kernels against the plain PyTorch pass, and no host synchronisation in it."""
+    from tests.unit.test_prefix_target import grouped, make_term
+
+    hidden, weight, labels, chunks, targets, proj = grouped(7, tau=1.5, v_s=5000, v_t=4000)
+    (term,) = _on_cuda([make_term("forward_kl", targets, proj, chunks, labels)])
+    labels = labels.cuda()
+    den = ce_count(labels)
+    out = []
+    for fused in (False, True, True):
+        h = hidden.float().cuda().requires_grad_(True)
+        w = weight.float().cuda().requires_grad_(True)
+        if len(out) == 2:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            value, _ = student_loss(h, w, labels, [term], 0.6, den, 32, fused=fused)
+            value.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        out.append((value.item(), h.grad.double().cpu(), w.grad.double().cpu()))
+    (a, ah, aw), (b, bh, bw), _ = out
     assert abs(a - b) < 1e-5 * abs(a)
     assert rel(bh, ah) < 1e-5 and rel(bw, aw) < 1e-5
