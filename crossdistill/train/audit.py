@@ -271,9 +271,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "groups of student tokens that start with them (Llama-2 and Mistral -> Llama-3, "
             "bench quality, H100, KD 0.5: better than `target: lookahead` on 9 of 15 paired "
             "seeds over three runs, -0.7% on average, which was better than `target: context` "
-            "on 13 of 15); `target: auto` (the default) chooses it for this pair. It runs the "
-            "loss pass without the fused kernels (0.874 of the first piece's step throughput): "
-            "name `target: lookahead` where that matters; `auto` takes `lookahead` for a "
+            "on 13 of 15); `target: auto` (the default) chooses it for this pair, at 0.96 of the "
+            "first piece's step throughput (`target: lookahead`: 0.99); `auto` takes `lookahead` for a "
             "tensor-parallel student and `context` with a teacher cache, which holds one "
             "position per student token"
         )
