@@ -17,7 +17,8 @@ holds one of the row's single-token buckets (`lookahead._with_groups`).
 
 On CUDA the group sums read each group's member list (its tokens, from `events` sorted once
 per chunk: a fixed order, no atomics), and the tail and gradient passes, one read of the row's
-logits each, find every column's slot in a per-row slot table `[c, num_events + 1]` (int16).
+logits each, find every column's slot in a per-row slot table `[c, num_events + 1]` (int8 up
+to 127 groups a row).
 """
 
 from __future__ import annotations
@@ -132,13 +133,13 @@ def _kernels():
 
 
 def slot_table(rows: GroupRows) -> Tensor:
-    """`[c, num_events + 1]` int16 (int32 past 32,767 groups a row): each row's slot of every event, −1 for the events it has no
+    """`[c, num_events + 1]` int8 (wider past 127 groups a row): each row's slot of every event, −1 for the events it has no
     group of (the last column, tokens of no event, always −1). Made once per chunk and part,
     kept on `rows` for the gradient pass."""
     if rows.table is None:
         c, g = rows.row_events.shape
         ev = rows.row_events.long()
-        dtype = torch.int16 if g < 2**15 else torch.int32
+        dtype = torch.int8 if g < 2**7 else torch.int16 if g < 2**15 else torch.int32
         table = torch.full((c, rows.num_events + 1), -1, dtype=dtype, device=ev.device)
         slots = torch.arange(g, dtype=dtype, device=ev.device).expand(c, -1)
         rows.table = table.scatter_(1, torch.where(ev >= 0, ev, rows.num_events), slots)
@@ -242,11 +243,14 @@ def group_grad_triton(
     width = max(r.num_events for r in groups) + 1
 
     def padded(t: Tensor, size: int, fill) -> Tensor:
-        return torch.nn.functional.pad(t, (0, size - t.shape[1]), value=fill)
+        extra = size - t.shape[1]
+        return torch.nn.functional.pad(t, (0, extra), value=fill) if extra else t
 
-    events = torch.stack([r.events for r in groups])
-    table = torch.stack([padded(slot_table(r), width, -1) for r in groups])
-    b = torch.stack([padded(r.coef.float(), g, 0.0) for r in groups])
+    tables = [slot_table(r) for r in groups]
+    wide = max(tables, key=lambda t: t.element_size()).dtype
+    events = _stacked([r.events for r in groups])  # one part (the usual case): views, no copy
+    table = _stacked([padded(t.to(wide), width, -1) for t in tables])
+    b = _stacked([padded(r.coef.float(), g, 0.0) for r in groups])
     ptau = _small([r.inv_tau for r in groups], torch.float32, z.device)
     inv_tau = _small([1.0 / t for t in taus], torch.float32, z.device)
     out = z if z.dtype == dtype else torch.empty(c, vocab, dtype=dtype, device=z.device)
@@ -258,6 +262,11 @@ def group_grad_triton(
         T=len(taus), P=len(groups), G=g, BLOCK=BLOCK_GRAD, num_warps=8,
     )  # fmt: skip
     return out
+
+
+def _stacked(parts: list[Tensor]) -> Tensor:
+    """The parts stacked on a new first dimension; a single part as a view of itself."""
+    return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
 
 
 def group_grad_torch(

@@ -271,8 +271,9 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "groups of student tokens that start with them (Llama-2 and Mistral -> Llama-3, "
             "bench quality, H100, KD 0.5: better than `target: lookahead` on 9 of 15 paired "
             "seeds over three runs, -0.7% on average, which was better than `target: context` "
-            "on 13 of 15); `target: auto` (the default) chooses it for this pair, at 0.96 of the "
-            "first piece's step throughput (`target: lookahead`: 0.99); `auto` takes `lookahead` for a "
+            "on 13 of 15); `target: auto` (the default) chooses it for this pair, at 0.96-0.98 of "
+            "the first piece's step throughput (`target: lookahead`: 0.99); `auto` takes "
+            "`lookahead` for a "
             "tensor-parallel student and `context` with a teacher cache, which holds one "
             "position per student token"
         )

@@ -141,6 +141,7 @@ from tests.unit.test_group_kernels import random_rows
 g = torch.Generator().manual_seed(0)
 for c, vocab, num_events, width, dtype in [
     (2, 20000, 900, 7, torch.float32), (2, 17001, 300, 64, torch.bfloat16), (3, 5000, 40, 3, torch.float32),
+    (2, 9000, 400, 130, torch.float32),
 ]:
     z = (torch.randn(c, vocab, generator=g) * 3).to(dtype)
     zmax = z.float().max(1).values
