@@ -172,10 +172,11 @@ def group_stats(
 
 
 def group_stats_triton(
-    z: Tensor, zmax: Tensor, rows: GroupRows, single_bits: Tensor
+    z: Tensor, zmax: Tensor, rows: GroupRows, single_bits: Tensor, rows_per_launch: int = 65535
 ) -> tuple[Tensor, Tensor]:
     """`group_stats` through the Triton kernels: group sums over their member lists, the tail
-    in one pass over the row with the slot table."""
+    in one pass over the row with the slot table. The sums' grid has the rows on its second
+    axis, which CUDA caps at 65,535: larger chunks take several launches of `rows_per_launch`."""
     triton, sums_k, tail_k, _ = _kernels()
     c, vocab = z.shape
     g = rows.row_events.shape[1]
@@ -183,10 +184,12 @@ def group_stats_triton(
     rev = rows.row_events.contiguous()
     offsets, members = member_lists(rows)
     sums = torch.empty(c, g, dtype=torch.float32, device=z.device)
-    sums_k[(g, c)](
-        z, z.stride(0), zmax, rows.inv_tau, rev, offsets, members, sums,
-        G=g, BLOCK=128, num_warps=4,
-    )  # fmt: skip
+    for r0 in range(0, c, rows_per_launch):
+        r = slice(r0, min(c, r0 + rows_per_launch))
+        sums_k[(g, r.stop - r.start)](
+            z[r], z.stride(0), zmax[r], rows.inv_tau, rev[r], offsets, members, sums[r],
+            G=g, BLOCK=128, num_warps=4,
+        )  # fmt: skip
     table = slot_table(rows)
     parts = triton.cdiv(vocab, SPAN)
     span = triton.cdiv(triton.cdiv(vocab, parts), BLOCK_TAIL) * BLOCK_TAIL

@@ -156,6 +156,8 @@ for c, vocab, num_events, width, dtype in [
         b, tb = gk.group_stats_torch(z, zmax, rows, bits)
         assert ((a - b).abs() <= 1e-5 * b.abs() + 1e-30).all(), (a - b).abs().max()
         assert ((ta - tb).abs() <= 1e-5 * tb.abs()).all()
+        split = gk.group_stats_triton(z, zmax, rows, bits, rows_per_launch=1)  # one row a launch
+        assert torch.equal(split[0], a) and torch.equal(split[1], ta)
     coef = torch.randn(c, 2, generator=g)
     groups[1].row_events = groups[1].row_events[:, : max(1, width // 2)].contiguous()
     groups[1].coef = groups[1].coef[:, : groups[1].row_events.shape[1]].contiguous()
