@@ -290,11 +290,8 @@ def group_coef_at(ids: Tensor, z_ids: Tensor, zmax: Tensor, groups: list[GroupRo
     float): 0 at an id in none of the row's groups."""
     out = torch.zeros_like(z_ids)
     shifted = z_ids - zmax.to(z_ids.dtype).unsqueeze(1)
-    for rows in groups:
-        ev = rows.events.long()[ids]
-        order_ev, order = rows.row_events.long().sort(1)
-        at = torch.searchsorted(order_ev, ev).clamp(max=order_ev.shape[1] - 1)
-        hit = order_ev.gather(1, at) == ev
-        b = rows.coef.to(z_ids.dtype).gather(1, order.gather(1, at))
-        out = out + torch.where(hit, (shifted * rows.inv_tau).exp() * b, 0.0)
+    for rows in groups:  # each id's slot from the table the kernels use
+        slot = slot_table(rows).gather(1, rows.events.long()[ids]).long()  # [c, F], −1: none
+        b = rows.coef.to(z_ids.dtype).gather(1, slot.clamp(min=0))
+        out = out + torch.where(slot >= 0, (shifted * rows.inv_tau).exp() * b, 0.0)
     return out
