@@ -65,8 +65,9 @@ def _kernels():
         slot = tl.program_id(0)
         row = tl.program_id(1)
         ev = tl.load(rev_ptr + row * G + slot)
+        # an empty slot (ev −1) reads [lo, lo): no members (two scalar loads, no select)
         lo = tl.load(offsets_ptr + tl.maximum(ev, 0))
-        hi = tl.where(ev >= 0, tl.load(offsets_ptr + tl.maximum(ev, 0) + 1), lo)
+        hi = tl.load(offsets_ptr + tl.maximum(ev, 0) + (ev >= 0).to(tl.int32))
         m = tl.load(zmax_ptr + row)
         z_row = z_ptr + row.to(tl.int64) * stride_z
         acc = tl.zeros([BLOCK], dtype=tl.float32)

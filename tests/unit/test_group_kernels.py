@@ -174,7 +174,12 @@ def test_triton_group_kernels_match_reference_in_the_interpreter():
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip(
+            "Triton's interpreter before 3.7 gives a loaded scalar the shape (1,), which a loop "
+            "bound cannot take; the compiled kernels are checked in test_losses_gpu"
+        )
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.getcwd()}
     out = subprocess.run(
         [sys.executable, "-c", _INTERPRETED], capture_output=True, text=True, env=env, timeout=900
