@@ -136,7 +136,9 @@ SCALES: dict[str, Scale] = {
     ),
     # one H100/H200 (timings in benchmarks/README.md): teachers over 10x the student's
     # parameters, trained on 4x its tokens. Student lr 1e-3, not 2e-3: at 2e-3 identical runs
-    # of one seed disagree by more than a KD effect (benchmarks/student_noise.py)
+    # of one seed disagree by more than a KD effect (benchmarks/student_noise.py). Students
+    # distil on the first 1 MB of the teachers' text, in epochs: on all of it, a teacher adds
+    # too little to the student's early training to compare losses by
     "gpu": Scale(
         teacher=dict(
             hidden_size=1024,
@@ -165,6 +167,7 @@ SCALES: dict[str, Scale] = {
         num_workers=2,
         teacher_accum=2,
         jobs=5,
+        student_train_bytes=1_000_000,
     ),
 }
 
@@ -742,8 +745,8 @@ def add_parser(subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="students train on the first N bytes of the teachers' training text, in epochs "
-        "(default: the scale's)",
+        help="students train on the first N bytes of the teachers' training text, in epochs; "
+        "0: all of it (default: the scale's; gpu: 1,000,000)",
     )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
     p.add_argument(
@@ -783,11 +786,13 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         changes["student_steps"] = args.student_steps
     if args.device is not None:
         changes["device"] = args.device
-    if args.student_bytes is not None:
+    if args.student_bytes == 0:
+        changes["student_train_bytes"] = None  # all of the teachers' text
+    elif args.student_bytes is not None:
         if args.student_bytes < PIECE_BYTES:
             raise UserError(
                 f"--student-bytes {args.student_bytes} is less than one piece of the corpus "
-                f"({PIECE_BYTES} bytes); give at least {PIECE_BYTES}"
+                f"({PIECE_BYTES} bytes); give at least {PIECE_BYTES}, or 0 for all of the text"
             )
         changes["student_train_bytes"] = args.student_bytes
     for key, value in changes.items():

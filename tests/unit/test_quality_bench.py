@@ -192,6 +192,25 @@ def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir,
     assert not (tmp_path / "data").exists()
 
 
+def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(tmp_path):
+    from crossdistill.bench.quality import spec_from_args
+    from crossdistill.cli import build_parser
+
+    def spec(*extra: str) -> QualitySpec:
+        argv = [
+            "bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",
+            "--out", str(tmp_path), *extra,
+        ]  # fmt: skip
+        return spec_from_args(build_parser().parse_args(argv))
+
+    assert spec("--scale", "gpu").scale.student_train_bytes == 1_000_000
+    assert spec("--scale", "gpu", "--student-bytes", "0").scale.student_train_bytes is None
+    assert spec("--scale", "gpu", "--student-bytes", "50000").scale.student_train_bytes == 50_000
+    assert spec("--scale", "cpu").scale.student_train_bytes is None
+    with pytest.raises(UserError, match="or 0 for all of the text"):
+        spec("--scale", "gpu", "--student-bytes", "-3")
+
+
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
     lines = [f"line {i} of the corpus, with some words to fill it out\n" for i in range(40_000)]
     path = tmp_path / "corpus.txt"
