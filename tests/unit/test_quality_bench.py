@@ -12,9 +12,15 @@ import time
 
 import pytest
 
-from crossdistill.bench.quality import PIECE_BYTES, QualitySpec, corpus_pieces, split_pieces
+from crossdistill.bench.quality import (
+    PIECE_BYTES,
+    QualitySpec,
+    corpus_pieces,
+    spec_from_args,
+    split_pieces,
+)
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
-from crossdistill.cli import main
+from crossdistill.cli import build_parser, main
 from crossdistill.config import TeacherConfig
 from crossdistill.errors import UserError
 
@@ -193,9 +199,6 @@ def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir,
 
 
 def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(tmp_path):
-    from crossdistill.bench.quality import spec_from_args
-    from crossdistill.cli import build_parser
-
     def spec(*extra: str) -> QualitySpec:
         argv = [
             "bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",

@@ -200,3 +200,21 @@ def test_rates_of_a_job_are_per_gpu():
     naive = {"tokens_per_s": 300.0, "naive_tokens_per_s": 100.0}
     add_rates(naive, flops=1e12, peak=None)
     assert naive["speedup_vs_naive"] == 3.0 and naive["mfu"] is None
+
+
+def test_step_memory_replays_what_is_live_at_the_peak():
+    """`benchmarks/step_memory.py`'s replay: the peak counts from the bytes held before the
+    step, a completed free gives its bytes back, and the sites are the package's frames."""
+    from benchmarks.step_memory import live_at_peak, where
+
+    frame = {"filename": "/x/crossdistill/losses/a.py", "line": 7, "name": "f"}
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 10, "frames": [frame]},
+        {"action": "alloc", "addr": 2, "size": 5, "frames": []},
+        {"action": "free_requested", "addr": 1, "size": 10},  # not yet back: still counted
+        {"action": "free_completed", "addr": 1, "size": 10},
+        {"action": "alloc", "addr": 3, "size": 4, "frames": []},
+    ]
+    peak, live = live_at_peak(trace, base=100)
+    assert peak == 115 and [e["addr"] for e in live] == [1, 2]
+    assert where(live[0]) == "losses/a.py:7:f" and where(live[1]) == "(outside the package)"
