@@ -668,11 +668,13 @@ class Experiment:
                 **s.teacher,
                 "steps": s.teacher_steps,
                 "batch": s.teacher_batch * s.teacher_accum,
+                "lr": s.teacher_lr,
             },
             "student": {
                 **s.student,
                 "steps": s.student_steps,
                 "batch": s.student_batch,
+                "lr": s.student_lr,
                 "train_bytes": s.student_train_bytes,
             },
             "seq_len": s.seq_len,
@@ -740,6 +742,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
     p.add_argument("--teacher-steps", type=int, default=None, help="override the scale's")
     p.add_argument("--student-steps", type=int, default=None, help="override the scale's")
+    p.add_argument("--teacher-lr", type=float, default=None, help="override the scale's")
+    p.add_argument("--student-lr", type=float, default=None, help="override the scale's")
     p.add_argument(
         "--student-bytes",
         type=int,
@@ -786,6 +790,15 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         changes["student_steps"] = args.student_steps
     if args.device is not None:
         changes["device"] = args.device
+    for key in ("teacher_lr", "student_lr"):
+        value = getattr(args, key)
+        if value is not None:
+            if not 0 < value < 1:
+                raise UserError(
+                    f"--{key.replace('_', '-')} {value} is not a learning rate: give a value "
+                    "between 0 and 1 (the scales use 1e-3 to 3e-3)"
+                )
+            changes[key] = value
     if args.student_bytes == 0:
         changes["student_train_bytes"] = None  # all of the teachers' text
     elif args.student_bytes is not None:

@@ -14,6 +14,7 @@ import pytest
 
 from crossdistill.bench.quality import (
     PIECE_BYTES,
+    SCALES,
     QualitySpec,
     corpus_pieces,
     spec_from_args,
@@ -212,6 +213,24 @@ def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(
     assert spec("--scale", "cpu").scale.student_train_bytes is None
     with pytest.raises(UserError, match="or 0 for all of the text"):
         spec("--scale", "gpu", "--student-bytes", "-3")
+
+
+def test_learning_rates_override_the_scale_and_nonsense_is_refused(tmp_path):
+    def spec(*extra: str) -> QualitySpec:
+        argv = [
+            "bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",
+            "--scale", "cpu", "--out", str(tmp_path), *extra,
+        ]  # fmt: skip
+        return spec_from_args(build_parser().parse_args(argv))
+
+    cpu = SCALES["cpu"]
+    assert (spec().scale.teacher_lr, spec().scale.student_lr) == (cpu.teacher_lr, cpu.student_lr)
+    changed = spec("--teacher-lr", "5e-4", "--student-lr", "2.5e-4").scale
+    assert (changed.teacher_lr, changed.student_lr) == (5e-4, 2.5e-4)
+    assert changed.teacher == cpu.teacher and changed.student_steps == cpu.student_steps
+    for flag, value in (("--student-lr", "0"), ("--teacher-lr", "3"), ("--student-lr", "-1e-3")):
+        with pytest.raises(UserError, match=f"{flag} .* is not a learning rate"):
+            spec(f"{flag}={value}")
 
 
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
