@@ -4,8 +4,8 @@ seeds (and, with several `--student-steps`, schedule lengths), side by side on o
 
 `bench quality` asks the same-tokenizer KD student to beat the CE-only one by 5% at the GPU
 scale, or the scale says nothing about cross-tokenizer losses. This finds the student size, KD
-weight and amount of student text (`--student-bytes`: the first N bytes of the teacher's text,
-repeated in epochs; 0 is all of it) where it does, before the whole experiment is spent on them.
+weight and amount of student text (`--student-bytes`: N bytes of the teacher's text in whole
+pieces spread through it, repeated in epochs; 0 is all of it) where it does, before the whole experiment is spent on them.
 
     python benchmarks/kd_headroom.py --tokenizer $TOK/llama3/hf --scale gpu \\
         --sizes small medium --kd-ratios 0 0.5 1 --seeds 0 1 2 --jobs 6 --out /tmp/headroom

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -43,7 +44,6 @@ from crossdistill.config import (
     to_dict,
 )
 from crossdistill.errors import UserError
-from crossdistill.train.audit import first_bytes
 
 ARCH_KEYS = (
     "hidden_size",
@@ -74,8 +74,8 @@ class Scale:
     num_workers: int = 0
     teacher_accum: int = 1  # micro-batches of teacher_batch sequences per teacher step
     jobs: int = 1  # runs at once: small models leave a GPU mostly idle, so several share it
-    # the students' training text: the first this many bytes of the teachers' (epochs repeat
-    # over it), as a student is distilled on less text than its teacher saw; None: all of it
+    # the students' training text: this many bytes of the teachers', spread through it (epochs
+    # repeat over it), as a student is distilled on less text than its teacher saw; None: all
     student_train_bytes: int | None = None
 
 
@@ -137,7 +137,7 @@ SCALES: dict[str, Scale] = {
     # one H100/H200 (timings in benchmarks/README.md): teachers over 10x the student's
     # parameters, trained on 4x its tokens. Student lr 1e-3, not 2e-3: at 2e-3 identical runs
     # of one seed disagree by more than a KD effect (benchmarks/student_noise.py). Students
-    # distil on the first 1 MB of the teachers' text, in epochs: on all of it, a teacher adds
+    # distil on 1 MB of the teachers' text, in epochs: on all of it, a teacher adds
     # too little to the student's early training to compare losses by
     "gpu": Scale(
         teacher=dict(
@@ -325,11 +325,25 @@ def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, lis
 
 
 def write_student_share(data: Path, train: list[str], num_bytes: int) -> Path:
-    """The first pieces of `train` up to `num_bytes` (whole pieces), written beside the training
-    text in the corpus folder `data`; returns the file (`student_train_file`)."""
+    """About `num_bytes` of `train` in whole pieces taken at an even stride through it
+    (`spread_pieces`), written beside the training text in the corpus folder `data`; returns the
+    file (`student_train_file`)."""
     path = _share_path(data, num_bytes)
-    _write_jsonl(path, first_bytes(train, num_bytes))
+    _write_jsonl(path, spread_pieces(train, num_bytes))
     return path
+
+
+def spread_pieces(pieces: list[str], num_bytes: int) -> list[str]:
+    """Whole pieces, about `num_bytes` UTF-8 bytes in all, taken at an even stride through
+    `pieces` in their order (all of them when they hold no more): a corpus ordered by source
+    (files sorted by path, one dataset after another) gives the students a share of every part
+    of it, where its first bytes would be one source only."""
+    sizes = [len(p.encode()) for p in pieces]
+    stride = sum(sizes) / num_bytes
+    if stride <= 1:
+        return list(pieces)
+    picks = sorted({int(j * stride) for j in range(math.ceil(len(pieces) / stride))})
+    return [pieces[i] for i in picks if i < len(pieces)]
 
 
 def student_train_file(data: Path, scale: Scale) -> Path:
@@ -340,7 +354,7 @@ def student_train_file(data: Path, scale: Scale) -> Path:
 
 
 def _share_path(data: Path, num_bytes: int) -> Path:
-    return data / f"train-first-{num_bytes}.jsonl"
+    return data / f"train-spread-{num_bytes}.jsonl"
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> None:
@@ -356,11 +370,11 @@ def _write_jsonl(path: Path, texts: list[str]) -> None:
 
 
 def bytes_per_token(tokenizer: str, texts: list[str], sample_bytes: int = 2_000_000) -> float:
-    """UTF-8 bytes per token of `tokenizer` on the first `sample_bytes` of `texts`."""
+    """UTF-8 bytes per token of `tokenizer` on `sample_bytes` of `texts` spread through them."""
     from crossdistill.models.tokenizers import load_text_tokenizer
 
     backend = load_text_tokenizer(tokenizer).backend_tokenizer
-    sample = first_bytes(texts, sample_bytes)
+    sample = spread_pieces(texts, sample_bytes)
     size = sum(len(text.encode()) for text in sample)
     tokens = sum(len(e.ids) for e in backend.encode_batch(sample, add_special_tokens=False))
     return size / max(tokens, 1)
@@ -749,7 +763,8 @@ def add_parser(subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="students train on the first N bytes of the teachers' training text, in epochs; "
+        help="students train on N bytes of the teachers' training text (whole pieces spread evenly "
+        "through it), in epochs; "
         "0: all of it (default: the scale's; gpu: 1,000,000)",
     )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")

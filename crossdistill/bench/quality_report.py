@@ -62,13 +62,14 @@ def summarize(
                     f"teacher {name} ({value:.4f} bits per byte) is {spread:.1%} from the "
                     f"same-tokenizer teacher ({teachers[same_label]:.4f}), more than "
                     f"{spec.max_teacher_spread:.0%}: a difference between students would be the "
-                    "teachers', not the tokenizers'; train the teachers longer or larger"
+                    "teachers', not the tokenizers'; train the teachers longer (--teacher-steps) or "
+                    "larger (--scale)"
                 )
         if ce_mean is not None and len(ce) >= 2 and value > ce_mean * (1 - spec.min_teacher_gain):
             return (
                 f"teacher {name} ({value:.4f} bits per byte) is not {spec.min_teacher_gain:.0%} "
                 f"better than the CE-only student ({ce_mean:.4f}): it has little to teach; "
-                "train the teachers longer or larger"
+                "train the teachers longer (--teacher-steps) or larger (--scale)"
             )
         return None
 
@@ -79,7 +80,7 @@ def summarize(
     if broken:
         report["refused"] = (
             f"{broken[0]} gave a non-finite bits per byte: that run diverged; lower the learning "
-            "rate (or look at its metrics.jsonl) before comparing"
+            "rate (--teacher-lr, --student-lr; or look at its metrics.jsonl) before comparing"
         )
     elif same_label in teachers and teacher_problem(same_label):
         report["refused"] = teacher_problem(same_label)
@@ -94,7 +95,7 @@ def summarize(
             f"same-tokenizer KD is not better than CE only on {len(losing)} of {len(same)} "
             f"seeds (seed {losing[0]}: {same[losing[0]]:.4f} vs {ce[losing[0]]:.4f} bits per "
             "byte): the gap to close is within the run-to-run noise; lower the student's "
-            "learning rate, train longer or use stronger teachers"
+            "learning rate (--student-lr), train longer (--student-steps) or use stronger teachers"
         )
     for cell in cells:
         if cell.teacher is None or cell.name == "same" or cell.name not in runs:

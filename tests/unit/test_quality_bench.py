@@ -16,9 +16,11 @@ from crossdistill.bench.quality import (
     PIECE_BYTES,
     SCALES,
     QualitySpec,
+    bytes_per_token,
     corpus_pieces,
     spec_from_args,
     split_pieces,
+    spread_pieces,
 )
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
 from crossdistill.cli import build_parser, main
@@ -233,6 +235,31 @@ def test_learning_rates_override_the_scale_and_nonsense_is_refused(tmp_path):
             spec(f"{flag}={value}")
 
 
+def test_the_students_share_is_spread_through_an_ordered_corpus():
+    # a corpus ordered by source: four sources of 50 pieces each, in turn
+    pieces = [f"{source} piece {i:03d} " * 40 for source in "abcd" for i in range(50)]
+    total = sum(len(p.encode()) for p in pieces)
+    share = spread_pieces(pieces, total // 10)
+    assert abs(sum(len(p.encode()) for p in share) - total / 10) <= len(pieces[0].encode())
+    assert {p[0] for p in share} == set("abcd")  # every source, not the first one only
+    index = [pieces.index(p) for p in share]
+    assert index == sorted(index) and len(set(index)) == len(index)  # in order, none twice
+    assert {b - a for a, b in zip(index, index[1:])} == {10}  # an even stride
+    assert spread_pieces(pieces, total) == pieces and spread_pieces(pieces, 10 * total) == pieces
+    assert spread_pieces(pieces, 1) == pieces[:1]
+
+
+def test_bytes_per_token_samples_the_whole_of_an_ordered_corpus(tokenizer_dir):
+    prose = ["the quick brown fox jumps over the lazy dog and runs away\n" * 30] * 200
+    digits = ["0x1f3a 0x2b4c 0x3d5e 0x4f60 0x5172 0x6384 0x7496 0x85a8\n" * 30] * 200
+    tok = str(tokenizer_dir("llama3"))
+    whole = bytes_per_token(tok, prose + digits, sample_bytes=10**9)
+    spread = bytes_per_token(tok, prose + digits, sample_bytes=len(prose[0]) * 40)
+    first = bytes_per_token(tok, prose, sample_bytes=10**9)
+    assert first > 1.5 * bytes_per_token(tok, digits, sample_bytes=10**9)  # they differ
+    assert spread == pytest.approx(whole, rel=0.02)  # not the first source's
+
+
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
     lines = [f"line {i} of the corpus, with some words to fill it out\n" for i in range(40_000)]
     path = tmp_path / "corpus.txt"
@@ -383,6 +410,7 @@ def test_kd_headroom_script_grid_on_cpu(tokenizer_dir, tmp_path):
     )
     (data,) = (tmp_path / "data").iterdir()
     full = (data / "train.jsonl").read_text().splitlines()
-    share = (data / "train-first-20000.jsonl").read_text().splitlines()
-    assert share == full[: len(share)] and 0 < len(share) < len(full)
-    assert sum(len(json.loads(line)["text"].encode()) for line in share[:-1]) < 20000
+    share = (data / "train-spread-20000.jsonl").read_text().splitlines()
+    texts = [json.loads(line)["text"] for line in full]
+    assert [json.loads(line)["text"] for line in share] == spread_pieces(texts, 20000)
+    assert 0 < len(share) < len(full)
