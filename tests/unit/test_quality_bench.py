@@ -201,13 +201,18 @@ def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir,
     assert not (tmp_path / "data").exists()
 
 
+def parsed_spec(out, *extra: str) -> QualitySpec:
+    """The spec `bench quality` builds from its command line, with placeholder tokenizers."""
+    argv = [
+        "bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",
+        "--out", str(out), *extra,
+    ]  # fmt: skip
+    return spec_from_args(build_parser().parse_args(argv))
+
+
 def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(tmp_path):
     def spec(*extra: str) -> QualitySpec:
-        argv = [
-            "bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",
-            "--out", str(tmp_path), *extra,
-        ]  # fmt: skip
-        return spec_from_args(build_parser().parse_args(argv))
+        return parsed_spec(tmp_path, *extra)
 
     assert spec("--scale", "gpu").scale.student_train_bytes == 1_000_000
     assert spec("--scale", "gpu", "--student-bytes", "0").scale.student_train_bytes is None
@@ -219,11 +224,7 @@ def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(
 
 def test_learning_rates_override_the_scale_and_nonsense_is_refused(tmp_path):
     def spec(*extra: str) -> QualitySpec:
-        argv = [
-            "bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",
-            "--scale", "cpu", "--out", str(tmp_path), *extra,
-        ]  # fmt: skip
-        return spec_from_args(build_parser().parse_args(argv))
+        return parsed_spec(tmp_path, "--scale", "cpu", *extra)
 
     cpu = SCALES["cpu"]
     assert (spec().scale.teacher_lr, spec().scale.student_lr) == (cpu.teacher_lr, cpu.student_lr)
