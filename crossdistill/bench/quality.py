@@ -79,6 +79,23 @@ class Scale:
     student_train_bytes: int | None = None
 
 
+def teacher_shape(width: int, layers: int) -> dict[str, int]:
+    """A teacher `width` wide and `layers` deep, shaped as the gpu scale's: 64-wide attention
+    heads, a quarter of them for keys and values, an MLP 2.75 times the width."""
+    if width < 64 or width % 64 or layers < 1:
+        raise UserError(
+            f"--teacher-size {width}x{layers}: give WIDTHxLAYERS with a width that is a multiple "
+            "of 64 and at least one layer, e.g. 512x8"
+        )
+    return dict(
+        hidden_size=width,
+        intermediate_size=width * 11 // 4,
+        num_hidden_layers=layers,
+        num_attention_heads=width // 64,
+        num_key_value_heads=max(1, width // 256),
+    )
+
+
 SCALES: dict[str, Scale] = {
     # a smoke run of every stage (seconds): for tests and a first look at a new corpus
     "quick": Scale(
@@ -527,29 +544,37 @@ class Experiment:
         self.teachers: dict[str, float] = {}
         self.teacher_paths: dict[str, Path] = {}
         self.teacher_info: dict[str, dict[str, Any]] = {}
+        self.vocab: dict[str, int] = {}  # tokenizer path -> its size, once the corpus is written
         self.runs: dict[str, dict[int, float]] = {}
         self.chosen: dict[str, str] = {}  # cell -> what its `target: auto` chose
         self.t0 = time.perf_counter()
 
-    def run(self) -> dict[str, Any]:
+    def teacher_jobs(self) -> list[Job]:
+        """Writes the corpus, then one teacher run per tokenizer, the student's first, each with
+        the sequence length that gives it the same bytes of text per step."""
         from crossdistill.models import load_tokenizer
 
         s, spec = self.spec.scale, self.spec
         self.log(f"[quality] corpus -> {self.out / 'data'}")
         self.data, train_texts = write_corpus(self.out, spec.corpora, s)
-        vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}
+        self.vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}
         bpt_ref = bytes_per_token(spec.student_tokenizer, train_texts)
         everyone = [(spec.student_tokenizer, self.same_label), *self.labels.items()]
         jobs = []
         for path, label in everyone:
             bpt = bpt_ref if path == spec.student_tokenizer else bytes_per_token(path, train_texts)
             seq_len = max(16, round(s.seq_len * bpt_ref / bpt / 8) * 8)
-            jobs.append(self._teacher(path, label, vocab[path], seq_len, bpt))
-        self._run_all(jobs)
+            jobs.append(self._teacher(path, label, self.vocab[path], seq_len, bpt))
+        return jobs
+
+    def run(self) -> dict[str, Any]:
+        s, spec = self.spec.scale, self.spec
+        self._run_all(self.teacher_jobs())
         report = self.report()
         if report["refused"] and not self.spec.keep_going:
             return report  # the teachers alone say the comparison cannot be made
-        student = model_entry(s.student, spec.student_tokenizer, vocab[spec.student_tokenizer])
+        vocab = self.vocab[spec.student_tokenizer]
+        student = model_entry(s.student, spec.student_tokenizer, vocab)
         seeds = range(spec.seeds)
         self._run_all([self._student(self.cells[0], student, seed) for seed in seeds])
         report = self.report()
@@ -756,6 +781,12 @@ def add_parser(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
     p.add_argument("--teacher-steps", type=int, default=None, help="override the scale's")
     p.add_argument("--student-steps", type=int, default=None, help="override the scale's")
+    p.add_argument(
+        "--teacher-size",
+        default=None,
+        metavar="WIDTHxLAYERS",
+        help="override the scale's teachers, e.g. 512x8 (64-wide heads; cpu: 256x4, gpu: 1024x12)",
+    )
     p.add_argument("--teacher-lr", type=float, default=None, help="override the scale's")
     p.add_argument("--student-lr", type=float, default=None, help="override the scale's")
     p.add_argument(
@@ -805,6 +836,13 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         changes["student_steps"] = args.student_steps
     if args.device is not None:
         changes["device"] = args.device
+    if args.teacher_size is not None:
+        width, _, layers = args.teacher_size.lower().partition("x")
+        if not (width.isdigit() and layers.isdigit()):
+            raise UserError(
+                f"--teacher-size {args.teacher_size!r} is not WIDTHxLAYERS: give e.g. 512x8"
+            )
+        changes["teacher"] = teacher_shape(int(width), int(layers))
     for key in ("teacher_lr", "student_lr"):
         value = getattr(args, key)
         if value is not None:

@@ -63,13 +63,13 @@ def summarize(
                     f"same-tokenizer teacher ({teachers[same_label]:.4f}), more than "
                     f"{spec.max_teacher_spread:.0%}: a difference between students would be the "
                     "teachers', not the tokenizers'; train the teachers longer (--teacher-steps) or "
-                    "larger (--scale)"
+                    "larger (--teacher-size, --scale)"
                 )
         if ce_mean is not None and len(ce) >= 2 and value > ce_mean * (1 - spec.min_teacher_gain):
             return (
                 f"teacher {name} ({value:.4f} bits per byte) is not {spec.min_teacher_gain:.0%} "
                 f"better than the CE-only student ({ce_mean:.4f}): it has little to teach; "
-                "train the teachers longer (--teacher-steps) or larger (--scale)"
+                "train the teachers longer (--teacher-steps) or larger (--teacher-size, --scale)"
             )
         return None
 

@@ -21,11 +21,13 @@ from crossdistill.bench.quality import (
     spec_from_args,
     split_pieces,
     spread_pieces,
+    teacher_shape,
 )
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
 from crossdistill.cli import build_parser, main
 from crossdistill.config import TeacherConfig
 from crossdistill.errors import UserError
+from crossdistill.models import load_tokenizer
 
 CELLS = [Cell("ce"), Cell("same", "llama3", "forward_kl"), Cell("cross-qwen3-kl", "qwen3", "kl")]
 
@@ -236,6 +238,21 @@ def test_learning_rates_override_the_scale_and_nonsense_is_refused(tmp_path):
             spec(f"{flag}={value}")
 
 
+def test_teacher_size_overrides_the_scale_with_the_gpu_scales_shape(tmp_path):
+    def spec(*extra: str) -> QualitySpec:
+        return parsed_spec(tmp_path, "--scale", "cpu", *extra)
+
+    assert spec().scale.teacher == SCALES["cpu"].teacher
+    assert spec("--teacher-size", "1024x12").scale.teacher == SCALES["gpu"].teacher
+    changed = spec("--teacher-size", "512X8").scale
+    assert changed.teacher == teacher_shape(512, 8)
+    assert (changed.teacher["num_attention_heads"], changed.teacher["num_hidden_layers"]) == (8, 8)
+    assert changed.student == SCALES["cpu"].student and changed.teacher_steps == 400
+    for value in ("512", "500x8", "512x0", "x8", "big"):
+        with pytest.raises(UserError, match="--teacher-size .*512x8"):
+            spec(f"--teacher-size={value}")
+
+
 def test_the_students_share_is_spread_through_an_ordered_corpus():
     # a corpus ordered by source: four sources of 50 pieces each, in turn
     pieces = [f"{source} piece {i:03d} " * 40 for source in "abcd" for i in range(50)]
@@ -415,3 +432,40 @@ def test_kd_headroom_script_grid_on_cpu(tokenizer_dir, tmp_path):
     texts = [json.loads(line)["text"] for line in full]
     assert [json.loads(line)["text"] for line in share] == spread_pieces(texts, 20000)
     assert 0 < len(share) < len(full)
+
+
+def test_teacher_size_script_trains_each_size_and_counts_its_parameters(tokenizer_dir, tmp_path):
+    """One teacher per tokenizer and size, as the bench trains them; each teacher's distance
+    from the one on the student's tokenizer is its own bits per byte over that one's, and the
+    parameter counts are a real model's."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    result = _script(
+        "teacher_size.py", "--student-tokenizer", str(tokenizer_dir("gpt2")),
+        "--teacher-tokenizer", str(tokenizer_dir("llama2")), "--scale", "quick",
+        "--sizes", "scale", "128x1", "--teacher-steps", "3", "--jobs", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    sizes = {entry["size"]: entry for entry in result["sizes"]}
+    assert sorted(sizes) == ["128x1", "scale"]
+    assert sizes["scale"]["shape"] == SCALES["quick"].teacher
+    assert sizes["128x1"]["shape"] == teacher_shape(128, 1)
+    for entry in sizes.values():
+        gpt2, llama2 = entry["teachers"]["gpt2"], entry["teachers"]["llama2"]
+        assert all(math.isfinite(t["bpb"]) for t in (gpt2, llama2))
+        assert gpt2["vs_same"] == 0.0
+        assert llama2["vs_same"] == pytest.approx(llama2["bpb"] / gpt2["bpb"] - 1)
+        assert entry["spread"] == pytest.approx(abs(llama2["vs_same"]))
+        for name, teacher in (("gpt2", gpt2), ("llama2", llama2)):
+            vocab = teacher["embedding_parameters"] // entry["shape"]["hidden_size"]
+            assert (
+                vocab % 64 == 0 and vocab - 64 < len(load_tokenizer(tokenizer_dir(name))) <= vocab
+            )
+            config = LlamaConfig(**entry["shape"], vocab_size=vocab, tie_word_embeddings=True)
+            with torch.device("meta"):
+                model = LlamaForCausalLM(config)
+            total = sum(p.numel() for p in model.parameters())
+            assert teacher["body_parameters"] + teacher["embedding_parameters"] == total
+    assert sizes["scale"]["teachers"]["gpt2"]["bpb"] != sizes["128x1"]["teachers"]["gpt2"]["bpb"]
+    rows = [json.loads(line) for line in (tmp_path / "teachers.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
