@@ -138,6 +138,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     out = Path(args.out)
+    from crossdistill.bench import library_versions
     from crossdistill.train.demo import DEMO
 
     student_bytes = DEMO["student_bytes"] if args.student_bytes is None else args.student_bytes
@@ -158,7 +159,11 @@ def main() -> int:
             )
         )
         print(json.dumps(rows[-1]), flush=True)
-    summary = {"runs": rows, "seconds": round(time.perf_counter() - t0, 1)}
+    summary = {
+        "runs": rows,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "versions": library_versions(),
+    }
     (out / "kd_sensitivity.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary))
     return 0

@@ -1,7 +1,8 @@
 """`crossdistill bench ...`: benchmarks that anyone can rerun; each prints a table, or one JSON
 object with `--json`. Each benchmark module contributes `add_parser(subparsers)`. Code only a
 benchmark needs (baselines of other pieces, profiles, ablation runs) lives in `benchmarks/`;
-it imports from here, never the other way.
+it imports from here, never the other way. `library_versions` names what a measured number
+depends on besides the code, for results files.
 
 Imports anything below it (`train` and down); only `cli` imports it."""
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import platform
 
 BENCHMARKS = [
     "crossdistill.bench.align",
@@ -35,3 +38,15 @@ def add_bench_parser(subparsers) -> None:
             raise
         module.add_parser(sub)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def library_versions() -> dict[str, str]:
+    """Python's and the numeric libraries' versions: a deterministic CPU number moves with them
+    (a rebuilt environment moved the demo's students by up to 0.8%, benchmarks/README.md)."""
+    versions = {"python": platform.python_version()}
+    for name in ("torch", "numpy", "tokenizers", "transformers", "triton"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return versions

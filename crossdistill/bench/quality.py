@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from crossdistill.bench import library_versions
 from crossdistill.bench.quality_report import Cell, plot_report, print_table, summarize
 from crossdistill.config import (
     DISTRIBUTION_LOSSES,
@@ -718,6 +719,7 @@ class Experiment:
             },
             "seq_len": s.seq_len,
             "device": s.device,
+            "versions": library_versions(),
         }
         report["seconds"] = round(time.perf_counter() - self.t0, 1)
         tmp = self.out / "summary.json.tmp"

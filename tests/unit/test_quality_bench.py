@@ -7,10 +7,12 @@ from __future__ import annotations
 import io
 import json
 import math
+import platform
 import statistics
 import time
 
 import pytest
+import torch
 
 from crossdistill.bench.quality import (
     PIECE_BYTES,
@@ -325,6 +327,10 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     assert (tmp_path / "quality.png").stat().st_size > 1000
     assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2 + 2 * 4
     assert json.loads((tmp_path / "summary.json").read_text())["cross"] == report["cross"]
+    versions = report["settings"]["versions"]  # what a rerun's numbers also depend on
+    assert (
+        versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
+    )
 
     start = time.perf_counter()
     assert main(argv) == 0  # everything reused
