@@ -36,9 +36,8 @@ from crossdistill.bench.quality import (  # noqa: E402
     run_config,
     train_many,
     train_one,
-    write_corpus,
-    write_student_share,
 )
+from crossdistill.bench.quality_corpus import write_corpus, write_student_share  # noqa: E402
 from crossdistill.config import to_dict  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 
@@ -86,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     spec = QualitySpec(args.tokenizer, ["unused"], args.out, args.scale, scale, args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "headroom.jsonl"
-    data, train_texts = write_corpus(args.out, args.corpus, scale)
+    data, train_texts = write_corpus(
+        args.out, args.corpus, train_bytes=scale.train_bytes, val_bytes=scale.val_bytes
+    )
     train_files = {
         n: write_student_share(data, train_texts, n) if n else data / "train.jsonl"
         for n in args.student_bytes

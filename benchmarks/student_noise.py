@@ -28,8 +28,8 @@ from crossdistill.bench.quality import (  # noqa: E402
     model_entry,
     run_config,
     train_many,
-    write_corpus,
 )
+from crossdistill.bench.quality_corpus import write_corpus  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 
 
@@ -48,7 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     scale = SCALES[args.scale]
     spec = QualitySpec(args.tokenizer, ["unused"], args.out, args.scale, scale, args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
-    data, _ = write_corpus(args.out, args.corpus, scale)
+    data, _ = write_corpus(
+        args.out, args.corpus, train_bytes=scale.train_bytes, val_bytes=scale.val_bytes
+    )
     student = model_entry(scale.student, args.tokenizer, len(load_tokenizer(args.tokenizer)))
     runs = {}
     for seed in args.seeds:

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from crossdistill.alignment import align  # noqa: E402
 from crossdistill.alignment.projection import build_projection, joins_of  # noqa: E402
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
-from crossdistill.bench.quality import corpus_pieces  # noqa: E402
+from crossdistill.bench.quality_corpus import corpus_pieces  # noqa: E402
 from crossdistill.losses import LOOKAHEAD_DEPTH, PrefixGroups  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 from crossdistill.train.audit import FIRST_PIECE_KINDS as KINDS  # noqa: E402

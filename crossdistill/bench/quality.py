@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from crossdistill.bench import library_versions
+from crossdistill.bench.quality_corpus import (
+    PIECE_BYTES,
+    bytes_per_token,
+    share_path,
+    write_corpus,
+)
 from crossdistill.bench.quality_report import Cell, plot_report, print_table, summarize
 from crossdistill.config import (
     DISTRIBUTION_LOSSES,
@@ -253,149 +258,13 @@ class QualitySpec:
 
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
-PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a line end
-VAL_EVERY = 20  # about one piece in this many is held out
-
-
-def corpus_pieces(corpora: list[str]) -> list[str]:
-    """The text documents of the corpus files (JSONL, text, Parquet, ... as `crossdistill
-    train` reads them), cut into pieces of about `PIECE_BYTES` at line ends, so that a corpus of
-    a few long texts still splits into training and held-out text."""
-    from crossdistill.data.sources import open_source
-
-    pieces: list[str] = []
-    for path in corpora:
-        source = open_source(path, "auto", "text")
-        for start, stop in source.groups():
-            for value in source.read(start, stop):
-                if isinstance(value, str) and value.strip():
-                    pieces.extend(_cut(value))
-    if not pieces:
-        raise UserError(
-            f"no text documents in {', '.join(corpora)}: the corpus needs text rows (a JSONL "
-            "`text` field, a Parquet `text` column or plain text files)"
-        )
-    return pieces
-
-
-def _cut(text: str) -> list[str]:
-    out: list[str] = []
-    start = 0
-    while start < len(text):
-        stop = start + PIECE_BYTES
-        if stop < len(text):
-            newline = text.rfind("\n", start + PIECE_BYTES // 2, stop)
-            stop = newline + 1 if newline >= 0 else stop
-        out.append(text[start:stop])
-        start = stop
-    return out
-
-
-def split_pieces(
-    pieces: list[str], train_bytes: int, val_bytes: int
-) -> tuple[list[str], list[str]]:
-    """Held-out pieces chosen by a hash of their text (no seed: the same split for every run),
-    up to `val_bytes`; training pieces up to `train_bytes`."""
-    train: list[str] = []
-    val: list[str] = []
-    n_train = n_val = 0
-    for piece in pieces:
-        size = len(piece.encode())
-        held = int(hashlib.sha256(piece.encode()).hexdigest()[:8], 16) % VAL_EVERY == 0
-        if held and n_val < val_bytes:
-            val.append(piece)
-            n_val += size
-        elif n_train < train_bytes:
-            train.append(piece)
-            n_train += size
-    if not val or not train:
-        raise UserError(
-            f"the corpus ({len(pieces)} pieces of up to {PIECE_BYTES} bytes) is too small to hold "
-            "out text for scoring; give a corpus of at least a few hundred kilobytes"
-        )
-    return train, val
-
-
-def write_corpus(out: Path, corpora: list[str], scale: Scale) -> tuple[Path, list[str]]:
-    """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
-    folder, so nothing trained on the old one is reused); returns it and the training texts.
-    With `scale.student_train_bytes` the students' share of the training text is written beside
-    them (`student_train_file`)."""
-    if corpora:
-        train, val = split_pieces(corpus_pieces(corpora), scale.train_bytes, scale.val_bytes)
-    else:
-        from crossdistill.train.demo_assets import stdlib_corpus
-
-        train, val = stdlib_corpus(
-            max_files=100_000, seed=0, train_bytes=scale.train_bytes, val_bytes=scale.val_bytes
-        )
-    digest = hashlib.sha256()
-    for text in [*train, "\0", *val]:
-        digest.update(text.encode())
-        digest.update(b"\0")
-    folder = out / "data" / digest.hexdigest()[:12]
-    folder.mkdir(parents=True, exist_ok=True)
-    _write_jsonl(folder / "train.jsonl", train)
-    _write_jsonl(folder / "val.jsonl", val)
-    if scale.student_train_bytes is not None:
-        write_student_share(folder, train, scale.student_train_bytes)
-    return folder, train
-
-
-def write_student_share(data: Path, train: list[str], num_bytes: int) -> Path:
-    """About `num_bytes` of `train` in whole pieces taken at an even stride through it
-    (`spread_pieces`), written beside the training text in the corpus folder `data`; returns the
-    file (`student_train_file`)."""
-    path = _share_path(data, num_bytes)
-    _write_jsonl(path, spread_pieces(train, num_bytes))
-    return path
-
-
-def spread_pieces(pieces: list[str], num_bytes: int) -> list[str]:
-    """Whole pieces, about `num_bytes` UTF-8 bytes in all, taken at an even stride through
-    `pieces` in their order (all of them when they hold no more): a corpus ordered by source
-    (files sorted by path, one dataset after another) gives the students a share of every part
-    of it, where its first bytes would be one source only."""
-    sizes = [len(p.encode()) for p in pieces]
-    stride = sum(sizes) / num_bytes
-    if stride <= 1:
-        return list(pieces)
-    picks = sorted({int(j * stride) for j in range(math.ceil(len(pieces) / stride))})
-    return [pieces[i] for i in picks if i < len(pieces)]
 
 
 def student_train_file(data: Path, scale: Scale) -> Path:
     """The students' training JSONL in the corpus folder `data`."""
     if scale.student_train_bytes is None:
         return data / "train.jsonl"
-    return _share_path(data, scale.student_train_bytes)
-
-
-def _share_path(data: Path, num_bytes: int) -> Path:
-    return data / f"train-spread-{num_bytes}.jsonl"
-
-
-def _write_jsonl(path: Path, texts: list[str]) -> None:
-    """`texts` as JSONL rows `{"text": ...}`, written beside and renamed; kept when present (the
-    folder is named by its content)."""
-    if path.is_file():
-        return
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text}) + "\n")
-    tmp.replace(path)
-
-
-def bytes_per_token(tokenizer: str, texts: list[str], sample_bytes: int = 2_000_000) -> float:
-    """UTF-8 bytes per token of `tokenizer` on `sample_bytes` of `texts` spread through them."""
-    from crossdistill.models.tokenizers import load_text_tokenizer
-
-    backend = load_text_tokenizer(tokenizer).backend_tokenizer
-    sample = spread_pieces(texts, sample_bytes)
-    size = sum(len(text.encode()) for text in sample)
-    tokens = sum(len(e.ids) for e in backend.encode_batch(sample, add_special_tokens=False))
-    return size / max(tokens, 1)
+    return share_path(data, scale.student_train_bytes)
 
 
 # ----------------------------------------------------------------------------- runs
@@ -557,7 +426,10 @@ class Experiment:
 
         s, spec = self.spec.scale, self.spec
         self.log(f"[quality] corpus -> {self.out / 'data'}")
-        self.data, train_texts = write_corpus(self.out, spec.corpora, s)
+        self.data, train_texts = write_corpus(
+            self.out, spec.corpora, train_bytes=s.train_bytes, val_bytes=s.val_bytes,
+            student_bytes=s.student_train_bytes,
+        )  # fmt: skip
         self.vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}
         bpt_ref = bytes_per_token(spec.student_tokenizer, train_texts)
         everyone = [(spec.student_tokenizer, self.same_label), *self.labels.items()]

@@ -14,16 +14,13 @@ import time
 import pytest
 import torch
 
-from crossdistill.bench.quality import (
+from crossdistill.bench.quality import SCALES, QualitySpec, spec_from_args, teacher_shape
+from crossdistill.bench.quality_corpus import (
     PIECE_BYTES,
-    SCALES,
-    QualitySpec,
     bytes_per_token,
     corpus_pieces,
-    spec_from_args,
     split_pieces,
     spread_pieces,
-    teacher_shape,
 )
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
 from crossdistill.cli import build_parser, main
