@@ -42,7 +42,7 @@ def add_bench_parser(subparsers) -> None:
 
 def library_versions() -> dict[str, str]:
     """Python's and the numeric libraries' versions: a deterministic CPU number moves with them
-    (a rebuilt environment moved the demo's students by up to 0.8%, benchmarks/README.md)."""
+    (benchmarks/README.md, "The demo again, and at top-128")."""
     versions = {"python": platform.python_version()}
     for name in ("torch", "numpy", "tokenizers", "transformers", "triton"):
         try:
