@@ -31,17 +31,21 @@ from crossdistill.bench.quality import (  # noqa: E402
     SCALES,
     Experiment,
     QualitySpec,
-    teacher_shape,
+    model_entry,
+    parse_teacher_size,
     train_many,
 )
+from crossdistill.models.loading import resolve_hf_config, weight_bytes  # noqa: E402
 
 
-def parameters(shape: dict[str, int], vocab: int) -> tuple[int, int]:
-    """(body, tied embedding) parameters of a tiny-llama of `shape` over `vocab` ids."""
-    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    kv = h // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * shape["intermediate_size"] + 2 * h
-    return layers * per_layer + h, (vocab + 63) // 64 * 64 * h
+def parameters(shape: dict[str, int], tokenizer: str, vocab: int) -> tuple[int, int]:
+    """(body, tied embedding) parameters of the teacher the bench builds of `shape` over
+    `vocab` ids, counted on the meta device."""
+    entry = model_entry(shape, tokenizer, vocab)
+    hf_config = resolve_hf_config(arch=entry["arch"], overrides=entry["overrides"])
+    total = weight_bytes(hf_config, "float32") // 4
+    embedding = hf_config.vocab_size * hf_config.hidden_size
+    return total - embedding, embedding
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,9 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         for steps in args.teacher_steps:
             scale = replace(
                 base,
-                teacher=base.teacher
-                if size == "scale"
-                else teacher_shape(*map(int, size.split("x"))),
+                teacher=base.teacher if size == "scale" else parse_teacher_size(size),
                 teacher_steps=steps or base.teacher_steps,
             )
             spec = QualitySpec(
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         same = e.teachers[e.same_label]
         entry = {"size": size, "shape": shape, "steps": steps, "teachers": {}}
         for path, label in [(e.spec.student_tokenizer, e.same_label), *e.labels.items()]:
-            body, embedding = parameters(shape, e.vocab[path])
+            body, embedding = parameters(shape, path, e.vocab[path])
             entry["teachers"][label] = {
                 "bpb": e.teachers[label],
                 "vs_same": e.teachers[label] / same - 1,

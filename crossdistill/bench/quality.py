@@ -102,6 +102,14 @@ def teacher_shape(width: int, layers: int) -> dict[str, int]:
     )
 
 
+def parse_teacher_size(text: str) -> dict[str, int]:
+    """`--teacher-size`'s `WIDTHxLAYERS` (e.g. `512x8`) as `teacher_shape`."""
+    width, _, layers = text.lower().partition("x")
+    if not (width.isdigit() and layers.isdigit()):
+        raise UserError(f"--teacher-size {text!r} is not WIDTHxLAYERS: give e.g. 512x8")
+    return teacher_shape(int(width), int(layers))
+
+
 SCALES: dict[str, Scale] = {
     # a smoke run of every stage (seconds): for tests and a first look at a new corpus
     "quick": Scale(
@@ -711,12 +719,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
     if args.device is not None:
         changes["device"] = args.device
     if args.teacher_size is not None:
-        width, _, layers = args.teacher_size.lower().partition("x")
-        if not (width.isdigit() and layers.isdigit()):
-            raise UserError(
-                f"--teacher-size {args.teacher_size!r} is not WIDTHxLAYERS: give e.g. 512x8"
-            )
-        changes["teacher"] = teacher_shape(int(width), int(layers))
+        changes["teacher"] = parse_teacher_size(args.teacher_size)
     for key in ("teacher_lr", "student_lr"):
         value = getattr(args, key)
         if value is not None:
