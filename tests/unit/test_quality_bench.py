@@ -355,6 +355,31 @@ def _script(name: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_source_corpus_takes_each_distinct_file_once_in_path_order(tmp_path):
+    """`benchmarks/docs_corpus.py`'s C-header and Perl corpora: the files with the asked
+    suffixes below several roots, in path order, short files and repeated texts left out, cut at
+    the byte limit."""
+    from benchmarks.docs_corpus import source_texts
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    (one / "sub").mkdir(parents=True)
+    two.mkdir()
+    long = {name: f"{name} " * 300 for name in ("a", "b", "c", "d")}
+    (one / "b.pm").write_text(long["b"])
+    (one / "sub" / "c.pod").write_text(long["c"])
+    (one / "a.pl").write_text(long["a"])
+    (one / "copy.pm").write_text(long["a"])  # the same text again: left out
+    (one / "short.pm").write_text("1;\n")  # under 500 characters: left out
+    (one / "notes.txt").write_text(long["d"])  # another suffix: left out
+    (two / "d.pm").write_text(long["d"])
+    roots, suffixes = [two, one], (".pm", ".pl", ".pod")
+    texts = list(source_texts(roots, suffixes, limit=10**9))
+    assert texts == [long["a"], long["b"], long["c"], long["d"]]  # path order over both roots
+    size = len(long["a"].encode())
+    assert list(source_texts(roots, suffixes, limit=2 * size)) == texts[:2]
+    assert list(source_texts(roots, (".h",), limit=10**9)) == []
+
+
 def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     """Identical tokenizers: the first-piece target is right at every KD position; a
     finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
