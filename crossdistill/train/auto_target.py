@@ -89,7 +89,7 @@ def choose_target(
     if right > FAR_PAIR_RIGHT:
         kind = "a near pair" if right >= NEAR_PAIR_RIGHT else "between the near and far pairs"
         above = f"above {FAR_PAIR_RIGHT:.0%}"
-        return "first_piece", f"{share} ({above}): {kind}, where the first piece measured best"
+        return "first_piece", f"{share} ({above}): {kind}, where no target measured better"
     far = f"{share} (at most {FAR_PAIR_RIGHT:.0%}): a far pair"
     if cached:
         return "context", f"{far}; lookahead_prefix needs the live teacher, a cache holds one row"
