@@ -16,7 +16,9 @@ from a teacher with the student's own tokenizer? A controlled experiment on a co
 The comparison is refused, with a one-line reason, when it cannot say anything: fewer than two
 seeds, teachers further apart than `--max-teacher-spread`, a teacher less than
 `--min-teacher-gain` better than the CE-only student, or same-tokenizer KD not better than CE only
-on every seed (the gap would be undefined, or a ratio of noise). Every finished cell is appended
+on every seed (the gap would be undefined, or a ratio of noise). A same-tokenizer gain under
+`--min-same-gain` (5%) is reported with a warning: the comparison stands, near the noise. Every
+finished cell is appended
 to OUT/cells.jsonl and OUT/summary.json is rewritten, so a long run can be followed while it goes.
 """
 
@@ -221,6 +223,7 @@ class QualitySpec:
     temperature: float = TeacherConfig.temperature
     max_teacher_spread: float = 0.03
     min_teacher_gain: float = 0.10
+    min_same_gain: float = 0.05  # under it, a warning: the gap to close is near the noise
     keep_going: bool = False  # train every cell even when the comparison is refused
     jobs: int = 1  # runs trained at once, each in a process of its own when above 1
 
@@ -248,6 +251,16 @@ class QualitySpec:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:
             raise UserError(f"--jobs must be at least 1, got {self.jobs}")
+        if self.max_teacher_spread < 0:
+            raise UserError(
+                f"--max-teacher-spread is a fraction (0.03 for 3%), got {self.max_teacher_spread}"
+            )
+        for flag, value in (
+            ("--min-teacher-gain", self.min_teacher_gain),
+            ("--min-same-gain", self.min_same_gain),
+        ):
+            if not 0.0 <= value < 1.0:
+                raise UserError(f"{flag} is a fraction in [0, 1) (0.05 for 5%), got {value}")
         if self.top_k < 1 or self.temperature <= 0:
             raise UserError("--top-k must be at least 1 and --temperature above 0")
         for path in [self.student_tokenizer, *self.teacher_tokenizers, *self.corpora]:
@@ -694,6 +707,12 @@ def add_parser(subparsers) -> None:
         help="refuse when a teacher is not this fraction better than the CE-only student",
     )
     p.add_argument(
+        "--min-same-gain",
+        type=float,
+        default=0.05,
+        help="warn when same-tokenizer KD is not this fraction better than CE only",
+    )
+    p.add_argument(
         "--jobs",
         type=int,
         default=None,
@@ -756,6 +775,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         temperature=args.temperature,
         max_teacher_spread=args.max_teacher_spread,
         min_teacher_gain=args.min_teacher_gain,
+        min_same_gain=args.min_same_gain,
         keep_going=args.keep_going,
         jobs=args.jobs if args.jobs is not None else scale.jobs,
     )

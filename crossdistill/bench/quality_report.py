@@ -40,7 +40,11 @@ def summarize(
     not beat CE only (on average or on any one seed: the gap closed of that seed would divide by
     noise), or every cross pair is refused. A cross pair is refused on its own
     (`entry["refused"]`, no `gap_closed`) when its teacher is more than `max_teacher_spread`
-    from the same-tokenizer teacher or not `min_teacher_gain` better than the CE-only student."""
+    from the same-tokenizer teacher or not `min_teacher_gain` better than the CE-only student.
+
+    `warnings` (lines) when a comparison is made but says less than it seems: same-tokenizer
+    KD gains less than `min_same_gain` over CE only (paired over seeds, `same_kd.change_vs_ce`),
+    so the students' seed-to-seed noise weighs on every gap closed."""
     ce, same = runs.get("ce", {}), runs.get("same", {})
     report: dict[str, Any] = {
         "teachers": dict(teachers),
@@ -50,7 +54,9 @@ def summarize(
         "cross": [],
         "default_loss": TeacherConfig.loss,
         "refused": None,
+        "warnings": [],
     }
+    report["same_kd"]["change_vs_ce"] = _change(same, ce)
     ce_mean, same_mean = report["ce_only"]["mean"], report["same_kd"]["mean"]
 
     def teacher_problem(name: str) -> str | None:
@@ -135,6 +141,15 @@ def summarize(
     pairs = [label for label in teachers if label != same_label]
     if report["refused"] is None and pairs and all(teacher_problem(p) for p in pairs):
         report["refused"] = teacher_problem(pairs[0])
+    gain = report["same_kd"]["change_vs_ce"]
+    if report["refused"] is None and gain["n"] >= 2 and -gain["mean"] < spec.min_same_gain:
+        report["warnings"].append(
+            f"same-tokenizer KD gains {-gain['mean']:.1%} over CE only, under "
+            f"{spec.min_same_gain:.0%} (--min-same-gain): with a gap this small the students' "
+            "seed-to-seed noise weighs on every gap closed; read the gap closed from the means "
+            "and its interval, or give the teacher more to add (--student-bytes: the students "
+            "on less text; --teacher-steps)"
+        )
     return report
 
 
@@ -203,6 +218,7 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
     print("\nstudents, held-out bits per byte (mean ± std over seeds):", file=file)
     print(f"  {'CE only':40s} {pm(report['ce_only'])}", file=file)
     print(f"  {'same-tokenizer KD':40s} {pm(report['same_kd'])}", file=file)
+    _print_change(report["same_kd"].get("change_vs_ce"), "CE only", file)
     for entry in report["cross"]:
         label = f"cross KD {entry['tokenizer']} {entry['loss']}"
         if entry["target"] != TeacherConfig.target:
@@ -221,17 +237,22 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
         if entry["refused"] and not report["refused"]:
             every += f"\n    no comparison: {entry['refused']}"
         print(f"  {label:40s} {pm(entry['bpb'])}{gap_text}{every}", file=file)
-        for key, name in (("change_vs_ce", "CE only"), ("change_vs_target", None)):
-            change = entry.get(key)
-            if change and change["mean"] is not None and change["n"]:
-                name = name or f"the {change['target']} target"
-                print(
-                    f"    vs {name}, paired: {change['mean']:+.2%} ± {change['std']:.2%}, "
-                    f"lower on {change['better']} of {change['n']} seeds",
-                    file=file,
-                )
+        _print_change(entry.get("change_vs_ce"), "CE only", file)
+        change = entry.get("change_vs_target")
+        _print_change(change, change and f"the {change['target']} target", file)
+    for line in report.get("warnings", []):
+        print(f"\nnote: {line}", file=file)
     if report["refused"]:
         print(f"\nno comparison: {report['refused']}", file=file)
+
+
+def _print_change(change: dict[str, Any] | None, against: str | None, file) -> None:
+    if change and change["mean"] is not None and change["n"]:
+        print(
+            f"    vs {against}, paired: {change['mean']:+.2%} ± {change['std']:.2%}, "
+            f"lower on {change['better']} of {change['n']} seeds",
+            file=file,
+        )
 
 
 def plot_report(out: Path, report: dict[str, Any], cells: list[Cell]) -> Path | None:

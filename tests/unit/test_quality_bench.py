@@ -83,6 +83,28 @@ def test_gap_closed_of_the_means_and_its_bootstrap_interval(tmp_path):
     }
 
 
+def test_a_small_same_tokenizer_gain_is_compared_with_a_warning(tmp_path, capsys):
+    """Same-tokenizer KD's paired gain over CE only is reported; under `min_same_gain` the
+    comparison stands with one warning naming the flag, and at or above it there is none."""
+    teachers = {"llama3": 1.0, "qwen3": 1.0}
+    runs = _runs({0: 1.9, 1: 1.95, 2: 1.9})  # same-tokenizer KD: -10%, -9.5%, -9.1%
+    report = summarize(teachers, runs, CELLS, "llama3", _spec(tmp_path))
+    gain = report["same_kd"]["change_vs_ce"]
+    want = [1.8 / 2.0 - 1, 1.9 / 2.1 - 1, 2.0 / 2.2 - 1]
+    assert gain["runs"] == pytest.approx(want, abs=1e-12) and gain["better"] == 3
+    assert report["refused"] is None and report["warnings"] == []
+    report = summarize(teachers, runs, CELLS, "llama3", _spec(tmp_path, min_same_gain=0.096))
+    (line,) = report["warnings"]
+    assert report["refused"] is None and "gains 9.5% over CE only" in line
+    assert "--min-same-gain" in line and "gap_closed" in report["cross"][0]
+    out = io.StringIO()
+    print_table(report, file=out)
+    assert "note: same-tokenizer KD gains 9.5%" in out.getvalue()
+    assert "vs CE only, paired: -9.54%" in out.getvalue()
+    with pytest.raises(UserError, match="--min-same-gain is a fraction"):
+        _spec(tmp_path, min_same_gain=5.0).check()
+
+
 def test_a_seed_where_cross_kd_loses_is_reported(tmp_path):
     report = summarize(
         {"llama3": 1.0, "qwen3": 1.0}, _runs({0: 1.9, 1: 2.15, 2: 1.9}), CELLS, "llama3",
