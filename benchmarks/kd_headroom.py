@@ -30,14 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from crossdistill.bench.quality import (  # noqa: E402
     SAME_LOSS,
-    SCALES,
-    QualitySpec,
     model_entry,
     run_config,
     train_many,
     train_one,
 )
 from crossdistill.bench.quality_corpus import write_corpus, write_student_share  # noqa: E402
+from crossdistill.bench.quality_spec import SCALES, QualitySpec  # noqa: E402
 from crossdistill.config import to_dict  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 

@@ -22,14 +22,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from crossdistill.bench.quality import (  # noqa: E402
-    SCALES,
-    QualitySpec,
-    model_entry,
-    run_config,
-    train_many,
-)
+from crossdistill.bench.quality import model_entry, run_config, train_many  # noqa: E402
 from crossdistill.bench.quality_corpus import write_corpus  # noqa: E402
+from crossdistill.bench.quality_spec import SCALES, QualitySpec  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 
 

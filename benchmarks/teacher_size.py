@@ -27,14 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from crossdistill.bench.quality import (  # noqa: E402
-    SCALES,
-    Experiment,
-    QualitySpec,
-    model_entry,
-    parse_teacher_size,
-    train_many,
-)
+from crossdistill.bench.quality import Experiment, model_entry, train_many  # noqa: E402
+from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size  # noqa: E402
 from crossdistill.models.loading import resolve_hf_config, weight_bytes  # noqa: E402
 
 

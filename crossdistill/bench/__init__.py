@@ -16,7 +16,7 @@ import platform
 BENCHMARKS = [
     "crossdistill.bench.align",
     "crossdistill.bench.loss",
-    "crossdistill.bench.quality",
+    "crossdistill.bench.quality_cli",
     "crossdistill.bench.step",
 ]
 

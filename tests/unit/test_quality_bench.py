@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from crossdistill.bench.quality import SCALES, QualitySpec, spec_from_args, teacher_shape
+from crossdistill.bench.quality_cli import spec_from_args
 from crossdistill.bench.quality_corpus import (
     PIECE_BYTES,
     bytes_per_token,
@@ -23,6 +23,7 @@ from crossdistill.bench.quality_corpus import (
     spread_pieces,
 )
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
+from crossdistill.bench.quality_spec import SCALES, QualitySpec, teacher_shape
 from crossdistill.cli import build_parser, main
 from crossdistill.config import TeacherConfig
 from crossdistill.errors import UserError

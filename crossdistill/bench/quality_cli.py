@@ -1,0 +1,196 @@
+"""The command line of `crossdistill bench quality`: its parser, the settings it builds
+(`spec_from_args`: a `QualitySpec`, checked once by the experiment), and the run that prints the
+table, or one JSON object last with `--json`. The experiment is `quality.Experiment`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from crossdistill.bench import quality
+from crossdistill.bench.quality import Experiment
+from crossdistill.bench.quality_corpus import PIECE_BYTES
+from crossdistill.bench.quality_report import plot_report, print_table
+from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size
+from crossdistill.config import LOSSES, TARGETS, TeacherConfig
+from crossdistill.errors import UserError
+
+EXAMPLES = """examples:
+  crossdistill bench quality --student-tokenizer $TOK/llama3/hf --teacher-tokenizer $TOK/qwen3/hf \\
+      --teacher-tokenizer $TOK/llama2/hf --scale gpu --seeds 5 --out runs/quality
+  crossdistill bench quality --corpus my.jsonl --student-tokenizer $TOK/llama3/hf \\
+      --teacher-tokenizer $TOK/qwen3/hf --scale cpu --seeds 3 --loss forward_kl --loss gold --json
+"""
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "quality",
+        help="how much cross-tokenizer KD teaches, against same-tokenizer KD and CE only",
+        description=quality.__doc__.split("\n\nHere:")[0],  # without the module map
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--corpus",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="JSONL / text / Parquet corpus (repeatable; default: the demo's corpus)",
+    )
+    p.add_argument("--student-tokenizer", required=True, metavar="DIR")
+    p.add_argument(
+        "--teacher-tokenizer",
+        action="append",
+        default=[],
+        metavar="DIR",
+        required=True,
+        help="a cross teacher's tokenizer (repeatable)",
+    )
+    p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
+    p.add_argument("--seeds", type=int, default=5, help="seeds per student cell (at least 2)")
+    p.add_argument(
+        "--loss",
+        action="append",
+        choices=LOSSES,
+        default=None,
+        help=f"cross-tokenizer KD loss (repeatable; default {TeacherConfig.loss})",
+    )
+    p.add_argument(
+        "--target",
+        action="append",
+        choices=TARGETS,
+        default=None,
+        help=f"the projected losses' target (repeatable; default {TeacherConfig.target})",
+    )
+    p.add_argument("--kd-ratio", type=float, default=0.5)
+    p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
+    p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
+    p.add_argument("--teacher-steps", type=int, default=None, help="override the scale's")
+    p.add_argument("--student-steps", type=int, default=None, help="override the scale's")
+    p.add_argument(
+        "--teacher-size",
+        default=None,
+        metavar="WIDTHxLAYERS",
+        help="override the scale's teachers, e.g. 512x8 (64-wide heads; cpu: 256x4, gpu: 1024x12)",
+    )
+    p.add_argument("--teacher-lr", type=float, default=None, help="override the scale's")
+    p.add_argument("--student-lr", type=float, default=None, help="override the scale's")
+    p.add_argument(
+        "--student-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="students train on N bytes of the teachers' training text (whole pieces spread evenly "
+        "through it), in epochs; "
+        "0: all of it (default: the scale's; gpu: 1,000,000)",
+    )
+    p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
+    p.add_argument(
+        "--max-teacher-spread",
+        type=float,
+        default=0.03,
+        help="refuse when the teachers' bits per byte differ by more than this fraction",
+    )
+    p.add_argument(
+        "--min-teacher-gain",
+        type=float,
+        default=0.10,
+        help="refuse when a teacher is not this fraction better than the CE-only student",
+    )
+    p.add_argument(
+        "--min-same-gain",
+        type=float,
+        default=0.05,
+        help="warn when same-tokenizer KD is not this fraction better than CE only",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="runs trained at once, each in its own process (default: the scale's; gpu: 4)",
+    )
+    p.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="train every student even when the comparison is refused (no gap closed is given)",
+    )
+    p.add_argument("--out", type=Path, default=Path("runs/quality"))
+    p.add_argument("--json", action="store_true", help="print one JSON object last on stdout")
+    p.set_defaults(func=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> QualitySpec:
+    scale = SCALES[args.scale]
+    changes: dict[str, Any] = {}
+    if args.teacher_steps is not None:
+        changes["teacher_steps"] = args.teacher_steps
+    if args.student_steps is not None:
+        changes["student_steps"] = args.student_steps
+    if args.device is not None:
+        changes["device"] = args.device
+    if args.teacher_size is not None:
+        changes["teacher"] = parse_teacher_size(args.teacher_size)
+    for key in ("teacher_lr", "student_lr"):
+        value = getattr(args, key)
+        if value is not None:
+            if not 0 < value < 1:
+                raise UserError(
+                    f"--{key.replace('_', '-')} {value} is not a learning rate: give a value "
+                    "between 0 and 1 (the scales use 1e-3 to 3e-3)"
+                )
+            changes[key] = value
+    if args.student_bytes == 0:
+        changes["student_train_bytes"] = None  # all of the teachers' text
+    elif args.student_bytes is not None:
+        if args.student_bytes < PIECE_BYTES:
+            raise UserError(
+                f"--student-bytes {args.student_bytes} is less than one piece of the corpus "
+                f"({PIECE_BYTES} bytes); give at least {PIECE_BYTES}, or 0 for all of the text"
+            )
+        changes["student_train_bytes"] = args.student_bytes
+    for key, value in changes.items():
+        if key.endswith("steps") and value < 1:
+            raise UserError(f"--{key.replace('_', '-')} must be at least 1, got {value}")
+    return QualitySpec(
+        student_tokenizer=args.student_tokenizer,
+        teacher_tokenizers=list(args.teacher_tokenizer),
+        out=args.out,
+        scale_name=args.scale,
+        scale=replace(scale, **changes),
+        corpora=list(args.corpus),
+        seeds=args.seeds,
+        losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
+        targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
+        kd_ratio=args.kd_ratio,
+        top_k=args.top_k,
+        temperature=args.temperature,
+        max_teacher_spread=args.max_teacher_spread,
+        min_teacher_gain=args.min_teacher_gain,
+        min_same_gain=args.min_same_gain,
+        keep_going=args.keep_going,
+        jobs=args.jobs if args.jobs is not None else scale.jobs,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = spec_from_args(args)
+    log = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else print
+    experiment = Experiment(spec, log=log)
+    report = experiment.run()
+    print_table(report, file=sys.stderr if args.json else sys.stdout)
+    try:
+        png = plot_report(spec.out, report, experiment.cells)
+    except UserError as e:  # no matplotlib: the numbers are still there
+        png = None
+        log(f"[quality] no plot: {e}")
+    if png is not None:
+        log(f"[quality] curves: {png}")
+    log(f"[quality] summary: {spec.out / 'summary.json'}")
+    if args.json:
+        print(json.dumps(report))
+    return 1 if report["refused"] else 0
