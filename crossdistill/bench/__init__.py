@@ -4,6 +4,11 @@ benchmark needs (baselines of other pieces, profiles, ablation runs) lives in `b
 it imports from here, never the other way. `library_versions` names what a measured number
 depends on besides the code, for results files.
 
+`bench quality` is five modules: `quality_spec` (what it is asked: scales, settings and their
+check), `quality_corpus` (the text), `quality_report` (the table and its refusals), `quality`
+(the experiment and its runs; its docstring is the command's help) and `quality_cli` (the
+command line), each importing only those before it.
+
 Imports anything below it (`train` and down); only `cli` imports it."""
 
 from __future__ import annotations

@@ -20,10 +20,6 @@ on every seed (the gap would be undefined, or a ratio of noise). A same-tokenize
 `--min-same-gain` (5%) is reported with a warning: the comparison stands, near the noise. Every
 finished cell is appended to OUT/cells.jsonl and OUT/summary.json is rewritten, so a long run can
 be followed while it goes.
-
-Here: the experiment (`Experiment`) and its runs. What it is asked, its scales and their check are
-in `quality_spec`; the corpus in `quality_corpus`; the report in `quality_report`; the command line
-in `quality_cli`.
 """
 
 from __future__ import annotations

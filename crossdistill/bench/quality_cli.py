@@ -31,7 +31,7 @@ def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "quality",
         help="how much cross-tokenizer KD teaches, against same-tokenizer KD and CE only",
-        description=quality.__doc__.split("\n\nHere:")[0],  # without the module map
+        description=quality.__doc__,
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -84,7 +84,7 @@ def test_gap_closed_of_the_means_and_its_bootstrap_interval(tmp_path):
     }
 
 
-def test_a_small_same_tokenizer_gain_is_compared_with_a_warning(tmp_path, capsys):
+def test_a_small_same_tokenizer_gain_is_compared_with_a_warning(tmp_path):
     """Same-tokenizer KD's paired gain over CE only is reported; under `min_same_gain` the
     comparison stands with one warning naming the flag, and at or above it there is none."""
     teachers = {"llama3": 1.0, "qwen3": 1.0}
