@@ -1,6 +1,7 @@
 """How much a same-tokenizer teacher can teach at one `bench quality` scale: one teacher on the
 student's tokenizer, then CE-only and KD students over a grid of student sizes, KD weights and
-seeds (and, with several `--student-steps`, schedule lengths), side by side on one device.
+seeds (and, with several `--student-steps`, schedule lengths; with several `--teacher-steps`,
+teachers trained for that many steps, so of several qualities), side by side on one device.
 
 `bench quality` asks the same-tokenizer KD student to beat the CE-only one by 5% at the GPU
 scale, or the scale says nothing about cross-tokenizer losses. This finds the student size, KD
@@ -11,8 +12,8 @@ pieces spread through it, repeated in epochs; 0 is all of it) where it does, bef
         --sizes small medium --kd-ratios 0 0.5 1 --seeds 0 1 2 --jobs 6 --out /tmp/headroom
 
 Each finished run is appended to OUT/headroom.jsonl; the last line on stdout is the JSON
-summary (mean bits per byte per size and KD weight, and each KD weight's change against CE only
-per seed).
+summary (each teacher's held-out bits per byte by its steps, mean bits per byte per size and KD
+weight, and each KD weight's change against CE only per seed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from crossdistill.bench.quality import (  # noqa: E402
     model_entry,
     run_config,
     train_many,
-    train_one,
 )
 from crossdistill.bench.quality_corpus import write_corpus, write_student_share  # noqa: E402
 from crossdistill.bench.quality_spec import SCALES, QualitySpec  # noqa: E402
@@ -68,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kd-ratios", type=float, nargs="+", default=[0.0, 0.5, 1.0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     p.add_argument("--student-bytes", type=int, nargs="+", default=[0])
-    p.add_argument("--teacher-steps", type=int, default=None)
+    p.add_argument(
+        "--teacher-steps",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="0: the scale's; several: one teacher each, and every KD cell under each of them",
+    )
     p.add_argument(
         "--student-steps", type=int, nargs="+", default=[0], help="0: the scale's own schedule"
     )
@@ -79,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     scale = SCALES[args.scale]
-    if args.teacher_steps:
-        scale = replace(scale, teacher_steps=args.teacher_steps)
+    teacher_steps = list(dict.fromkeys(n or scale.teacher_steps for n in args.teacher_steps))
+    if min(teacher_steps) < 1:
+        p.error("--teacher-steps must be at least 1 (0: the scale's)")
     spec = QualitySpec(args.tokenizer, ["unused"], args.out, args.scale, scale, args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "headroom.jsonl"
@@ -94,27 +101,36 @@ def main(argv: list[str] | None = None) -> int:
     vocab = len(load_tokenizer(args.tokenizer))
     start = time.perf_counter()
 
-    teacher = run_config(
-        spec, data, args.out / "teacher", model_entry(scale.teacher, args.tokenizer, vocab),
-        steps=scale.teacher_steps, lr=scale.teacher_lr, seq_len=scale.seq_len,
-        batch=scale.teacher_batch, seed=0, progress=False, accum=scale.teacher_accum,
-    )  # fmt: skip
-
     def record(row: dict) -> None:
         row["seconds"] = time.perf_counter() - start
         print(json.dumps(row), file=sys.stderr, flush=True)
         with open(log, "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
 
-    teacher_bpb = train_one(to_dict(teacher))
-    record({"run": "teacher", "bpb": teacher_bpb})
+    # one teacher per step count, in a folder of its own ("teacher" when there is one)
+    teacher_dirs = {
+        n: args.out / ("teacher" if len(teacher_steps) == 1 else f"teacher-steps{n}")
+        for n in teacher_steps
+    }
+    teacher_cfgs = {
+        n: run_config(
+            spec, data, teacher_dirs[n], model_entry(scale.teacher, args.tokenizer, vocab),
+            steps=n, lr=scale.teacher_lr, seq_len=scale.seq_len, batch=scale.teacher_batch,
+            seed=0, progress=False, accum=scale.teacher_accum,
+        )  # fmt: skip
+        for n in teacher_steps
+    }
+    teacher_bpb = {}
+    for n, bpb in train_many(teacher_cfgs, args.jobs):
+        teacher_bpb[n] = bpb
+        record({"run": "teacher", "steps": n, "bpb": bpb})
 
     device_dtype = "bfloat16" if scale.device.startswith("cuda") else "float32"
 
-    def teacher(top_k: int, temperature: float) -> dict:
+    def teacher(steps: int, top_k: int, temperature: float) -> dict:
         return {
             "name": "teacher",
-            "path": str(args.out / "teacher" / "final"),
+            "path": str(teacher_dirs[steps] / "final"),
             "dtype": device_dtype,
             "loss": SAME_LOSS,
             "top_k": top_k,
@@ -123,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
 
     # the KD cells: a KD weight, a top-k and a temperature; "kd 0" is the CE-only student
     kinds = [(0.0, "kd 0", None)]
-    for kd, k, t in itertools.product(args.kd_ratios, args.top_k, args.temperature):
+    for n, kd, k, t in itertools.product(
+        teacher_steps, args.kd_ratios, args.top_k, args.temperature
+    ):
         if kd:
-            kinds.append((kd, f"kd {kd:g} k {k} T {t:g}", teacher(k, t)))
+            under = f" teacher {n}" if len(teacher_steps) > 1 else ""
+            kinds.append((kd, f"kd {kd:g} k {k} T {t:g}{under}", teacher(n, k, t)))
     runs = {}
     # seed-major: an early stop still has every cell at its first seeds
     for seed, size, n, steps, (kd, kind, entry) in itertools.product(
@@ -159,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
             cell["change_vs_ce"] = change
             cell["mean_change_vs_ce"] = statistics.fmean(change.values())
         cells[f"{size} bytes {n} {kind}"] = cell
-    print(json.dumps({"scale": args.scale, "teacher_bpb": teacher_bpb, "cells": cells}))
+    teachers = {str(n): teacher_bpb[n] for n in teacher_steps}
+    print(json.dumps({"scale": args.scale, "teachers": teachers, "cells": cells}))
     return 0
 
 

@@ -485,6 +485,28 @@ def test_kd_headroom_script_grid_on_cpu(tokenizer_dir, tmp_path):
     assert 0 < len(share) < len(full)
 
 
+def test_kd_headroom_script_puts_every_kd_cell_under_each_teacher(tokenizer_dir, tmp_path):
+    """Several `--teacher-steps`: one teacher each, in a folder of its own, and each KD cell
+    under each of them, compared with the one CE-only student of its seed."""
+    result = _script(
+        "kd_headroom.py", "--tokenizer", str(tokenizer_dir("gpt2")), "--scale", "quick",
+        "--teacher-steps", "6", "2", "--student-steps", "3", "--kd-ratios", "0", "0.5",
+        "--top-k", "8", "--seeds", "0", "--jobs", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert sorted(result["teachers"]) == ["2", "6"]
+    assert result["teachers"]["2"] != result["teachers"]["6"]  # two runs, not one reused
+    assert all((tmp_path / f"teacher-steps{n}" / "final").is_dir() for n in (2, 6))
+    cells = result["cells"]
+    assert sorted(cells) == sorted(
+        ["small bytes 0 kd 0"] + [f"small bytes 0 kd 0.5 k 8 T 1 teacher {n}" for n in (6, 2)]
+    )
+    ce = cells["small bytes 0 kd 0"]["runs"]["0"]
+    under = [cells[f"small bytes 0 kd 0.5 k 8 T 1 teacher {n}"] for n in (6, 2)]
+    for cell in under:
+        assert cell["change_vs_ce"]["0"] == pytest.approx(cell["runs"]["0"] / ce - 1)
+    assert under[0]["mean"] != under[1]["mean"]
+
+
 def test_teacher_size_script_trains_each_size_and_counts_its_parameters(tokenizer_dir, tmp_path):
     """One teacher per tokenizer and size, as the bench trains them; each teacher's distance
     from the one on the student's tokenizer is its own bits per byte over that one's, and the
