@@ -37,7 +37,6 @@ from crossdistill.bench.quality import (  # noqa: E402
 )
 from crossdistill.bench.quality_corpus import write_corpus, write_student_share  # noqa: E402
 from crossdistill.bench.quality_spec import SCALES, QualitySpec  # noqa: E402
-from crossdistill.config import to_dict  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 
 # student shapes to try beside the scale's own ("small")
