@@ -113,9 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     }
     teacher_cfgs = {
         n: run_config(
-            spec, data, teacher_dirs[n], model_entry(scale.teacher, args.tokenizer, vocab),
-            steps=n, lr=scale.teacher_lr, seq_len=scale.seq_len, batch=scale.teacher_batch,
-            seed=0, progress=False, accum=scale.teacher_accum,
+            spec,
+            data,
+            teacher_dirs[n],
+            model_entry(scale.teacher, args.tokenizer, vocab),
+            steps=n,
+            lr=scale.teacher_lr,
+            seq_len=scale.seq_len,
+            batch=scale.teacher_batch,
+            seed=0,
+            progress=False,
+            accum=scale.teacher_accum,
         )  # fmt: skip
         for n in teacher_steps
     }
