@@ -292,7 +292,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "positions (near pairs 98-99%, far pairs 74-80%); at 88% (the demo's pair) the "
             "first piece beat `target: context` on 3 of 3 seeds and `target: lookahead` on 2 of "
             "3; at 90% (Qwen3 -> Llama-3 on Perl, digits the weak class) `lookahead_prefix` was "
-            "-0.5% against it, better on 3 of 5 seeds, inside the noise; compare them with "
+            "-0.5% against it over two runs, better on 7 of 10 seeds, under two standard errors; "
+            "compare them with "
             "`crossdistill bench quality --target first_piece --target lookahead_prefix` on your "
             "corpus"
         )
