@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=0,
             progress=False,
             accum=scale.teacher_accum,
-        )  # fmt: skip
+        )
         for n in teacher_steps
     }
     teacher_bpb = {}
