@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(VENV)/bin/ruff check crossdistill tests benchmarks
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check crossdistill tests benchmarks

@@ -8,10 +8,15 @@ from a teacher with the student's own tokenizer? A controlled experiment on a co
    step (each teacher's sequence length is scaled by its tokenizer's bytes per token on this
    corpus), CE only, from scratch. They differ only in the tokenizer. Cached by a hash of their
    config, the corpus and the tokenizer, so a rerun of the student cells does not retrain them.
+   `--teacher-seeds N` trains each N times, from seeds 0 to N-1.
 3. Students of one architecture, steps and data order, for every seed: CE only, same-tokenizer
-   KD, and cross-tokenizer KD for every teacher tokenizer, `--loss` and `--target`.
+   KD, and cross-tokenizer KD for every teacher tokenizer, `--loss` and `--target`; each KD
+   student under each teacher seed.
 4. Held-out bits per byte (mean ± standard deviation over seeds) and the gap closed,
-   (CE only − cross KD) / (CE only − same-tokenizer KD), per seed, then mean ± std.
+   (CE only − cross KD) / (CE only − same-tokenizer KD), per seed, then mean ± std, and from
+   the means with a bootstrap interval. With several teacher seeds these run over every
+   (teacher seed, seed) pair, and the interval resamples the teacher seeds too: a teacher
+   trained again moves a small gain's gap closed by more than the students' seeds do.
 
 The comparison is refused, with a one-line reason, when it cannot say anything: fewer than two
 seeds, teachers further apart than `--max-teacher-spread`, a teacher less than
@@ -135,6 +140,7 @@ class Job:
     describe: str
     on_done: Callable[[float], None]
     bpb: float | None = None
+    teacher_seed: int | None = None  # of the teacher it is, or learns from, when several
 
     def done(self, bpb: float) -> None:
         self.bpb = bpb
@@ -192,11 +198,13 @@ class Experiment:
             for loss, target in [(lo, ta) for lo in spec.losses for ta in spec.targets]:
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
                 self.cells.append(Cell(f"cross-{label}-{loss}{suffix}", label, loss, target))
-        self.teachers: dict[str, float] = {}
-        self.teacher_paths: dict[str, Path] = {}
+        self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
+        self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
+        self.teacher_paths: dict[tuple[str, int], Path] = {}  # (label, teacher seed) -> model
         self.teacher_info: dict[str, dict[str, Any]] = {}
         self.vocab: dict[str, int] = {}  # tokenizer path -> its size, once the corpus is written
-        self.runs: dict[str, dict[int, float]] = {}
+        # cell -> seed -> bits per byte; a KD cell's key is (teacher seed, seed)
+        self.runs: dict[str, dict[Any, float]] = {}
         self.chosen: dict[str, str] = {}  # cell -> what its `target: auto` chose
         self.t0 = time.perf_counter()
 
@@ -218,7 +226,8 @@ class Experiment:
         for path, label in everyone:
             bpt = bpt_ref if path == spec.student_tokenizer else bytes_per_token(path, train_texts)
             seq_len = max(16, round(s.seq_len * bpt_ref / bpt / 8) * 8)
-            jobs.append(self._teacher(path, label, self.vocab[path], seq_len, bpt))
+            for seed in range(spec.teacher_seeds):
+                jobs.append(self._teacher(path, label, self.vocab[path], seq_len, bpt, seed))
         return jobs
 
     def run(self) -> dict[str, Any]:
@@ -235,7 +244,14 @@ class Experiment:
         if report["refused"] and not self.spec.keep_going:
             return report
         # seed-major: a run stopped early still has every cell at its first seeds
-        self._run_all([self._student(c, student, seed) for seed in seeds for c in self.cells[1:]])
+        self._run_all(
+            [
+                self._student(c, student, seed, t)
+                for seed in seeds
+                for t in range(spec.teacher_seeds)
+                for c in self.cells[1:]
+            ]
+        )
         return self.report()
 
     def _run_all(self, jobs: list[Job]) -> None:
@@ -257,50 +273,61 @@ class Experiment:
             jobs[i].done(bpb)
             self._record(jobs[i], start)
 
-    def _teacher(self, path: str, label: str, vocab: int, seq_len: int, bpt: float) -> Job:
+    def _teacher(
+        self, path: str, label: str, vocab: int, seq_len: int, bpt: float, seed: int
+    ) -> Job:
         from crossdistill.models.tokenizers import load_text_tokenizer, tokenizer_fingerprint
 
         s = self.spec.scale
         model = model_entry(s.teacher, path, vocab)
         probe = run_config(
             self.spec, self.data, self.out, model, steps=s.teacher_steps, lr=s.teacher_lr,
-            seq_len=seq_len, batch=s.teacher_batch, seed=0, progress=self.spec.jobs == 1,
+            seq_len=seq_len, batch=s.teacher_batch, seed=seed, progress=self.spec.jobs == 1,
             accum=s.teacher_accum,
         )  # fmt: skip
         fingerprint = tokenizer_fingerprint(load_text_tokenizer(path))
         run_dir = self.out / "teachers" / f"{label}-{config_hash(probe, fingerprint)}"
         cfg = replace(probe, run=replace(probe.run, out_dir=str(run_dir)))
-        self.teacher_paths[label] = run_dir / "final"
+        self.teacher_paths[(label, seed)] = run_dir / "final"
         kind = "the student's tokenizer" if label == self.same_label else "cross"
+        several = self.spec.teacher_seeds > 1
 
         def done(bpb: float) -> None:
-            self.teachers[label] = bpb
-            self.teacher_info[label] = {
-                "tokenizer": path,
-                "bytes_per_token": bpt,
-                "seq_len": seq_len,
-                "bpb": bpb,
-                "run": str(run_dir),
-            }
+            by_seed = self.teacher_seed_bpb.setdefault(label, {})
+            by_seed[seed] = bpb
+            self.teachers[label] = sum(by_seed.values()) / len(by_seed)
+            info = self.teacher_info.setdefault(
+                label, {"tokenizer": path, "bytes_per_token": bpt, "seq_len": seq_len}
+            )
+            info["bpb"] = self.teachers[label]
+            if several:
+                info.setdefault("seeds", {})[str(seed)] = {"bpb": bpb, "run": str(run_dir)}
+            else:
+                info["run"] = str(run_dir)
 
         return Job(
             f"teacher-{label}",
             None,
             cfg,
-            f"teacher {label} ({kind}): {s.teacher_steps} steps of "
-            f"{s.teacher_batch * s.teacher_accum} x "
+            f"teacher {label} ({kind}{f', seed {seed}' if several else ''}): "
+            f"{s.teacher_steps} steps of {s.teacher_batch * s.teacher_accum} x "
             f"{seq_len} tokens ({bpt:.2f} bytes per token)",
             done,
+            teacher_seed=seed if several else None,
         )
 
-    def _student(self, cell: Cell, student: dict[str, Any], seed: int) -> Job:
+    def _student(
+        self, cell: Cell, student: dict[str, Any], seed: int, teacher_seed: int = 0
+    ) -> Job:
+        """The student run of `cell` at `seed`, learning from the teacher trained from
+        `teacher_seed` (its folder `seedS`, or `seedS-teacherT` past the first teacher seed)."""
         s, spec = self.spec.scale, self.spec
         teachers = []
         if cell.teacher is not None:
             teachers = [
                 {
                     "name": "teacher",
-                    "path": str(self.teacher_paths[cell.teacher]),
+                    "path": str(self.teacher_paths[(cell.teacher, teacher_seed)]),
                     "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
                     "loss": cell.loss,
                     "target": cell.target,
@@ -308,7 +335,8 @@ class Experiment:
                     "temperature": spec.temperature,
                 }
             ]
-        run_dir = self.out / "students" / cell.name / f"seed{seed}"
+        folder = f"seed{seed}" + (f"-teacher{teacher_seed}" if teacher_seed else "")
+        run_dir = self.out / "students" / cell.name / folder
         cfg = run_config(
             spec, self.data, run_dir, student, steps=s.student_steps, lr=s.student_lr,
             seq_len=s.seq_len, batch=s.student_batch, seed=seed, teachers=teachers,
@@ -319,20 +347,32 @@ class Experiment:
         if cross and cell.target == "auto" and cell.name not in self.chosen:
             self.chosen[cell.name] = chosen_target(cfg)
 
-        def done(bpb: float) -> None:
-            self.runs.setdefault(cell.name, {})[seed] = bpb
+        key: Any = seed if cell.teacher is None else (teacher_seed, seed)
+        several = cell.teacher is not None and spec.teacher_seeds > 1
 
-        return Job(cell.name, seed, cfg, f"student {cell.name} seed {seed}", done)
+        def done(bpb: float) -> None:
+            self.runs.setdefault(cell.name, {})[key] = bpb
+
+        describe = f"student {cell.name} seed {seed}"
+        if several:
+            describe += f", teacher seed {teacher_seed}"
+        return Job(
+            cell.name, seed, cfg, describe, done, teacher_seed=teacher_seed if several else None
+        )
 
     def _record(self, job: Job, start: float) -> None:
         row: dict[str, Any] = {"cell": job.cell}
         if job.seed is not None:
             row["seed"] = job.seed
+        if job.teacher_seed is not None:
+            row["teacher_seed"] = job.teacher_seed
         row["bpb"] = job.bpb
         row["seconds"] = round(time.perf_counter() - start, 1)
         with open(self.out / "cells.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        where = f" seed {row['seed']}" if "seed" in row else ""
+        where = "".join(
+            f" {k.replace('_', ' ')} {row[k]}" for k in ("teacher_seed", "seed") if k in row
+        )
         self.log(
             f"[quality] {row['cell']}{where}: {row['bpb']:.4f} bits per byte ({row['seconds']} s)"
         )
@@ -349,6 +389,7 @@ class Experiment:
         report["settings"] = {
             "scale": self.spec.scale_name,
             "seeds": self.spec.seeds,
+            "teacher_seeds": self.spec.teacher_seeds,
             "losses": self.spec.losses,
             "targets": self.spec.targets,
             "kd_ratio": self.spec.kd_ratio,

@@ -54,6 +54,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("--scale", choices=sorted(SCALES), default="cpu")
     p.add_argument("--seeds", type=int, default=5, help="seeds per student cell (at least 2)")
     p.add_argument(
+        "--teacher-seeds",
+        type=int,
+        default=1,
+        metavar="N",
+        help="train each teacher N times, from seeds 0 to N-1, and every KD student under each: "
+        "the spread and the interval of the gap closed then hold the teachers' run-to-run noise "
+        "as well as the students' (default 1)",
+    )
+    p.add_argument(
         "--loss",
         action="append",
         choices=LOSSES,
@@ -164,6 +173,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         scale=replace(scale, **changes),
         corpora=list(args.corpus),
         seeds=args.seeds,
+        teacher_seeds=args.teacher_seeds,
         losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
         targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
         kd_ratio=args.kd_ratio,

@@ -27,13 +27,16 @@ class Cell:
 
 def summarize(
     teachers: dict[str, float],
-    runs: dict[str, dict[int, float]],
+    runs: dict[str, dict[Any, float]],
     cells: list[Cell],
     same_label: str,
     spec: Any,
 ) -> dict[str, Any]:
     """The report from the finished runs (`runs[cell][seed]` = held-out bits per byte) under the
-    thresholds of `spec` (a `quality.QualitySpec`, which imports this module).
+    thresholds of `spec` (a `quality.QualitySpec`, which imports this module). A KD cell's runs
+    may be keyed `(teacher seed, seed)` instead, when the teachers were trained from several
+    seeds (`teachers` then holds each tokenizer's mean): each is paired with the CE-only
+    student of its seed, and every spread, count and interval runs over all of them.
 
     `refused` (one line) when nothing can be compared: a run diverged, the same-tokenizer
     teacher is not `min_teacher_gain` better than the CE-only student, same-tokenizer KD does
@@ -45,7 +48,19 @@ def summarize(
     `warnings` (lines) when a comparison is made but says less than it seems: same-tokenizer
     KD gains less than `min_same_gain` over CE only (paired over seeds, `same_kd.change_vs_ce`),
     so the students' seed-to-seed noise weighs on every gap closed."""
-    ce, same = runs.get("ce", {}), runs.get("same", {})
+    ce = runs.get("ce", {})
+    # a KD run's key is its student seed, or (teacher seed, student seed) when the teachers were
+    # trained from several seeds; both read as (teacher seed, student seed) from here on
+    runs = {
+        name: r
+        if name == "ce"
+        else {k if isinstance(k, tuple) else (0, k): v for k, v in r.items()}
+        for name, r in runs.items()
+    }
+    same = runs.get("same", {})
+    kd_keys = {k for name, r in runs.items() if name != "ce" for k in r}
+    ce_of = {k: ce[k[1]] for k in kd_keys if k[1] in ce}  # each KD run's CE-only student
+    several = len({k[0] for k in kd_keys}) > 1
     report: dict[str, Any] = {
         "teachers": dict(teachers),
         "same_tokenizer": same_label,
@@ -56,7 +71,7 @@ def summarize(
         "refused": None,
         "warnings": [],
     }
-    report["same_kd"]["change_vs_ce"] = _change(same, ce)
+    report["same_kd"]["change_vs_ce"] = _change(same, ce_of)
     ce_mean, same_mean = report["ce_only"]["mean"], report["same_kd"]["mean"]
 
     def teacher_problem(name: str) -> str | None:
@@ -81,7 +96,10 @@ def summarize(
 
     broken = [f"teacher {name}" for name, v in teachers.items() if not math.isfinite(v)]
     broken += [
-        f"{c} seed {s}" for c, r in runs.items() for s, v in r.items() if not math.isfinite(v)
+        f"{c} {_seed_name(k, several)}"
+        for c, r in runs.items()
+        for k, v in r.items()
+        if not math.isfinite(v)
     ]
     if broken:
         report["refused"] = (
@@ -96,11 +114,11 @@ def summarize(
             f"({ce_mean:.4f}), so there is no gap to close; use stronger teachers or a higher "
             "--kd-ratio"
         )
-    elif losing := [s for s in same if s in ce and same[s] >= ce[s]]:
+    elif losing := [k for k in sorted(same) if k in ce_of and same[k] >= ce_of[k]]:
         report["refused"] = (
             f"same-tokenizer KD is not better than CE only on {len(losing)} of {len(same)} "
-            f"seeds (seed {losing[0]}: {same[losing[0]]:.4f} vs {ce[losing[0]]:.4f} bits per "
-            "byte): the gap to close is within the run-to-run noise; lower the student's "
+            f"runs ({_seed_name(losing[0], several)}: {same[losing[0]]:.4f} vs "
+            f"{ce_of[losing[0]]:.4f} bits per byte): the gap to close is within the run-to-run noise; lower the student's "
             "learning rate (--student-lr), train longer (--student-steps) or use stronger teachers"
         )
     for cell in cells:
@@ -114,18 +132,33 @@ def summarize(
             "cell": cell.name,
             "bpb": _stats(cross),
             "beats_ce_every_seed": bool(cross)
-            and all(s in ce and v < ce[s] for s, v in cross.items()),
-            "seeds": sorted(cross),
+            and all(k in ce_of and v < ce_of[k] for k, v in cross.items()),
+            "seeds": sorted({k[1] for k in cross}),
+            "teacher_seeds": sorted({k[0] for k in cross}),
             "refused": report["refused"] or teacher_problem(cell.teacher),
         }
-        paired = [s for s in cross if s in ce and s in same]
-        if entry["refused"] is None and len(paired) >= 2 and all(ce[s] != same[s] for s in paired):
-            closed = {s: (ce[s] - cross[s]) / (ce[s] - same[s]) for s in paired}
+        paired = sorted(k for k in cross if k in ce_of and k in same)
+        if (
+            entry["refused"] is None
+            and len(paired) >= 2
+            and all(ce_of[k] != same[k] for k in paired)
+        ):
+            closed = {k: (ce_of[k] - cross[k]) / (ce_of[k] - same[k]) for k in paired}
             entry["gap_closed"] = _stats(closed)
-            entry["gap_closed_of_means"] = gap_of_means(
-                [ce[s] for s in paired], [same[s] for s in paired], [cross[s] for s in paired]
-            )
-        entry["change_vs_ce"] = _change(cross, ce)
+            values = [
+                [ce_of[k] for k in paired],
+                [same[k] for k in paired],
+                [cross[k] for k in paired],
+            ]
+            entry["gap_closed_of_means"] = gap_of_means(*values, keys=paired)
+            if several:  # each teacher seed's own, to see how far the teachers alone move it
+                entry["gap_closed_by_teacher_seed"] = {
+                    str(t): gap_of_means(
+                        *[[v for k, v in zip(paired, c) if k[0] == t] for c in values]
+                    )["value"]
+                    for t in entry["teacher_seeds"]
+                }
+        entry["change_vs_ce"] = _change(cross, ce_of)
         # against the first target asked for with the same teacher and loss, seed by seed
         first = next(
             e
@@ -157,13 +190,23 @@ def summarize(
 BOOTSTRAP_RESAMPLES = 4000
 
 
-def gap_of_means(ce: list[float], same: list[float], cross: list[float]) -> dict[str, Any]:
-    """The gap closed from the cells' means over the same seeds, (mean CE − mean cross) / (mean
+def gap_of_means(
+    ce: list[float],
+    same: list[float],
+    cross: list[float],
+    keys: list[tuple[int, int]] | None = None,
+) -> dict[str, Any]:
+    """The gap closed from the cells' means over the same runs, (mean CE − mean cross) / (mean
     CE − mean same), with a 90% bootstrap interval: seeds drawn with replacement, the three
     cells of a seed kept together, resamples whose same-tokenizer gain is not positive left
     out (`used` says how many were kept). A seed where same-tokenizer KD gains little makes
     its own per-seed ratio huge; here it weighs only by its share of the mean gain. The draws
-    come from a fixed seed, so a report is the same every time it is built."""
+    come from a fixed seed, so a report is the same every time it is built.
+
+    `keys` names each run `(teacher seed, student seed)`. With more than one teacher seed the
+    bootstrap is two-level: each resample draws the teacher seeds with replacement, then the
+    student seeds, and takes every run of a drawn pair, so the interval holds the teachers'
+    run-to-run noise as well as the students'."""
     import random
 
     def ratio(idx: list[int]) -> float | None:
@@ -173,15 +216,29 @@ def gap_of_means(ce: list[float], same: list[float], cross: list[float]) -> dict
     n = len(ce)
     value = ratio(list(range(n)))
     draw = random.Random(0)
+    index = {k: i for i, k in enumerate(keys or [])}
+    teacher_seeds = sorted({k[0] for k in index})
+    student_seeds = sorted({k[1] for k in index})
+
+    def resample() -> list[int]:
+        if len(teacher_seeds) < 2:
+            return [draw.randrange(n) for _ in range(n)]
+        ts = [draw.choice(teacher_seeds) for _ in teacher_seeds]
+        ss = [draw.choice(student_seeds) for _ in student_seeds]
+        return [index[(t, s)] for t in ts for s in ss if (t, s) in index]
+
     boot = sorted(
-        r
-        for r in (ratio([draw.randrange(n) for _ in range(n)]) for _ in range(BOOTSTRAP_RESAMPLES))
-        if r is not None
+        r for r in (ratio(resample()) for _ in range(BOOTSTRAP_RESAMPLES)) if r is not None
     )
     if value is None or not boot:
         return {"value": value, "low": None, "high": None, "used": len(boot)}
     pick = lambda q: boot[min(len(boot) - 1, int(q * len(boot)))]  # noqa: E731
     return {"value": value, "low": pick(0.05), "high": pick(0.95), "used": len(boot)}
+
+
+def _seed_name(key: tuple[int, int], several: bool) -> str:
+    """`seed 3`, or `teacher seed 1, seed 3` when the teachers were trained from several."""
+    return f"teacher seed {key[0]}, seed {key[1]}" if several else f"seed {key[1]}"
 
 
 def _change(values: dict[int, float], base: dict[int, float]) -> dict[str, Any]:
@@ -214,6 +271,10 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
     print("\nteachers, held-out bits per byte:", file=file)
     for name, value in report["teachers"].items():
         mark = " (student's tokenizer)" if name == report.get("same_tokenizer") else ""
+        seeds = report.get("teacher_runs", {}).get(name, {}).get("seeds", {})
+        if len(seeds) > 1:
+            each = ", ".join(f"{seeds[t]['bpb']:.4f}" for t in sorted(seeds, key=int))
+            mark += f"   mean of seeds {each}"
         print(f"  {name:24s} {value:.4f}{mark}", file=file)
     print("\nstudents, held-out bits per byte (mean ± std over seeds):", file=file)
     print(f"  {'CE only':40s} {pm(report['ce_only'])}", file=file)
@@ -233,6 +294,13 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
                 f" per seed, {means['value']:.0%} from the means (90%: {means['low']:.0%} to "
                 f"{means['high']:.0%})"
             )
+        by_teacher = entry.get("gap_closed_by_teacher_seed")
+        if gap and by_teacher:
+            each = ", ".join(
+                "-" if v is None else f"{v:.0%}"
+                for _, v in sorted(by_teacher.items(), key=lambda kv: int(kv[0]))
+            )
+            gap_text += f"; under each teacher seed {each}"
         every = "" if entry["beats_ce_every_seed"] else "   (not better than CE on every seed)"
         if entry["refused"] and not report["refused"]:
             every += f"\n    no comparison: {entry['refused']}"

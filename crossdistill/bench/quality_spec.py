@@ -174,6 +174,9 @@ class QualitySpec:
     scale: Scale = field(default_factory=lambda: SCALES["cpu"])
     corpora: list[str] = field(default_factory=list)  # empty: the demo's corpus
     seeds: int = 5
+    # teachers trained per tokenizer, from seeds 0, 1, ...: every KD student learns from each,
+    # so the report's spread and interval hold the teachers' run-to-run noise too
+    teacher_seeds: int = 1
     losses: list[str] = field(default_factory=lambda: [TeacherConfig.loss])
     targets: list[str] = field(default_factory=lambda: [TeacherConfig.target])
     kd_ratio: float = 0.5
@@ -190,6 +193,11 @@ class QualitySpec:
             raise UserError(
                 f"--seeds {self.seeds}: a spread needs at least 2 seeds (5 or more to compare "
                 "losses); pass --seeds 5"
+            )
+        if self.teacher_seeds < 1:
+            raise UserError(
+                f"--teacher-seeds {self.teacher_seeds}: give at least 1 (2 puts the teachers' "
+                "run-to-run noise in the report)"
             )
         if not self.teacher_tokenizers:
             raise UserError("give at least one --teacher-tokenizer (a tokenizer folder)")

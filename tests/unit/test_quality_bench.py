@@ -84,6 +84,53 @@ def test_gap_closed_of_the_means_and_its_bootstrap_interval(tmp_path):
     }
 
 
+def test_several_teacher_seeds_pair_each_run_with_its_students_ce_run(tmp_path):
+    """KD runs keyed (teacher seed, seed): each is paired with the CE-only student of its seed,
+    the gap closed runs over all of them and is given under each teacher seed, by hand; the
+    two-level interval spans what the teachers alone move; runs keyed by seed alone are
+    teacher seed 0, to the last digit."""
+    teachers = {"llama3": 1.0, "qwen3": 1.0}
+    ce = {0: 2.0, 1: 2.1, 2: 2.2}
+    same = {(t, s): ce[s] - 0.2 for t in (0, 1) for s in ce}
+    # the cross teacher of seed 0 closes half of every gap, that of seed 1 all of it
+    cross = {(t, s): ce[s] - 0.1 * (1 + t) for t in (0, 1) for s in ce}
+    report = summarize(
+        teachers, {"ce": ce, "same": same, "cross-qwen3-kl": cross}, CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    assert report["refused"] is None and report["ce_only"]["n"] == 3
+    (entry,) = report["cross"]
+    assert entry["seeds"] == [0, 1, 2] and entry["teacher_seeds"] == [0, 1]
+    assert entry["bpb"]["n"] == 6 and entry["beats_ce_every_seed"] is True
+    assert entry["gap_closed"]["runs"] == pytest.approx([0.5] * 3 + [1.0] * 3, abs=1e-12)
+    assert entry["gap_closed_by_teacher_seed"] == pytest.approx({"0": 0.5, "1": 1.0}, abs=1e-12)
+    means = entry["gap_closed_of_means"]
+    assert means["value"] == pytest.approx(0.75, abs=1e-12)
+    # the students agree, so only the teachers move it: each alone, or both
+    assert means["low"] == pytest.approx(0.5) and means["high"] == pytest.approx(1.0)
+    assert report["same_kd"]["change_vs_ce"]["n"] == 6
+    out = io.StringIO()
+    print_table(report, file=out)
+    assert "under each teacher seed 50%, 100%" in out.getvalue()
+
+    one = summarize(teachers, _runs({0: 1.9, 1: 1.95, 2: 1.9}), CELLS, "llama3", _spec(tmp_path))
+    keyed = {
+        name: r if name == "ce" else {(0, s): v for s, v in r.items()}
+        for name, r in _runs({0: 1.9, 1: 1.95, 2: 1.9}).items()
+    }
+    assert summarize(teachers, keyed, CELLS, "llama3", _spec(tmp_path)) == one
+    assert "gap_closed_by_teacher_seed" not in one["cross"][0]
+
+    same[(1, 2)] = 2.25  # under teacher seed 1, seed 2's same-tokenizer KD loses
+    report = summarize(
+        teachers, {"ce": ce, "same": same, "cross-qwen3-kl": cross}, CELLS, "llama3",
+        _spec(tmp_path),
+    )  # fmt: skip
+    assert "on 1 of 6 runs (teacher seed 1, seed 2: 2.2500 vs 2.2000" in report["refused"]
+    with pytest.raises(UserError, match="--teacher-seeds 0: give at least 1"):
+        _spec(tmp_path, teacher_seeds=0).check()
+
+
 def test_a_small_same_tokenizer_gain_is_compared_with_a_warning(tmp_path):
     """Same-tokenizer KD's paired gain over CE only is reported; under `min_same_gain` the
     comparison stands with one warning naming the flag, and at or above it there is none."""
@@ -356,6 +403,24 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     assert main(argv) == 0  # everything reused
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cross"] == report["cross"]
     assert time.perf_counter() - start < 30
+
+    # a second teacher seed: the first's teachers and students are reused to the last digit,
+    # the new teachers are runs of their own, and every KD cell learns from each
+    one_target = [a for i, a in enumerate(argv) if "context" not in argv[i : i + 2]]
+    assert main([*one_target, "--teacher-seeds", "2"]) == 0
+    two = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for label, info in two["teacher_runs"].items():
+        first, second = info["seeds"]["0"]["bpb"], info["seeds"]["1"]["bpb"]
+        assert first == report["teachers"][label] and math.isfinite(second) and second != first
+        assert two["teachers"][label] == pytest.approx((first + second) / 2, abs=1e-12)
+    for old, new in zip(report["cross"], two["cross"]):
+        assert new["teacher_seeds"] == [0, 1] and new["seeds"] == [0, 1] and new["bpb"]["n"] == 4
+        assert new["bpb"]["runs"][:2] == old["bpb"]["runs"]  # teacher seed 0 first
+        assert len(new["gap_closed_by_teacher_seed"]) == 2
+    assert two["ce_only"] == report["ce_only"] and two["same_kd"]["n"] == 4
+    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert sum(r.get("teacher_seed") == 1 for r in rows) == 2 + 2 * 2  # teachers, KD students
+    assert (tmp_path / "students" / "same" / "seed1-teacher1" / "final").is_dir()
 
     strict = [*argv[:-4], "--min-teacher-gain", "0.9"]
     assert main(strict) == 1
