@@ -85,6 +85,11 @@ def summarize(
                     f"{spec.max_teacher_spread:.0%}: a difference between students would be the "
                     "teachers', not the tokenizers'; train the teachers longer (--teacher-steps) or "
                     "larger (--teacher-size, --scale)"
+                ) + (
+                    ", or compare the means of teachers trained from several seeds "
+                    "(--teacher-seeds 2: one tokenizer's teachers can end 4% apart)"
+                    if spec.teacher_seeds == 1
+                    else ""
                 )
         if ce_mean is not None and len(ce) >= 2 and value > ce_mean * (1 - spec.min_teacher_gain):
             return (
@@ -118,8 +123,9 @@ def summarize(
         report["refused"] = (
             f"same-tokenizer KD is not better than CE only on {len(losing)} of {len(same)} "
             f"runs ({_seed_name(losing[0], several)}: {same[losing[0]]:.4f} vs "
-            f"{ce_of[losing[0]]:.4f} bits per byte): the gap to close is within the run-to-run noise; lower the student's "
-            "learning rate (--student-lr), train longer (--student-steps) or use stronger teachers"
+            f"{ce_of[losing[0]]:.4f} bits per byte): the gap to close is within the run-to-run "
+            "noise; lower the student's learning rate (--student-lr), train longer "
+            "(--student-steps) or use stronger teachers"
         )
     for cell in cells:
         if cell.teacher is None or cell.name == "same" or cell.name not in runs:

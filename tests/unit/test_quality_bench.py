@@ -194,6 +194,7 @@ def test_teachers_too_far_apart_refuse_the_pair(tmp_path):
     (entry,) = report["cross"]
     assert "gap_closed" not in entry
     assert "qwen3" in entry["refused"] and "5.0%" in entry["refused"]
+    assert "(--teacher-seeds 2: one tokenizer's teachers" in entry["refused"]
     assert report["refused"] == entry["refused"]  # the only pair: nothing left to compare
     loose = summarize(
         {"llama3": 1.0, "qwen3": 1.05}, _runs({0: 1.9, 1: 1.9, 2: 1.9}), CELLS, "llama3",
