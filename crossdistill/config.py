@@ -35,7 +35,14 @@ LossName = Literal[
 DISTRIBUTION_LOSSES: tuple[str, ...] = get_args(DistributionLoss)
 LOSSES: tuple[str, ...] = get_args(LossName)
 Target = Literal[
-    "auto", "first_piece", "context", "prefix", "lookahead", "lookahead_end", "lookahead_prefix"
+    "auto",
+    "first_piece",
+    "context",
+    "prefix",
+    "lookahead",
+    "lookahead_end",
+    "lookahead_prefix",
+    "lookahead_prefix_end",
 ]
 TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
@@ -134,7 +141,9 @@ class TeacherConfig(ModelConfig):
     # "lookahead_end" also reads the position after the student token's end: the teacher's
     # continuations that the student spells with a longer token get that token's share;
     # "lookahead_prefix" is "lookahead" with the teacher's other tokens at the KD position
-    # compared, as "prefix" does, with the groups of student tokens that start with them
+    # compared, as "prefix" does, with the groups of student tokens that start with them;
+    # "lookahead_prefix_end" is "lookahead_prefix" that also reads past the end, as
+    # "lookahead_end" does
     target: Target = "auto"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs

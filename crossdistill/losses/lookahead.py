@@ -38,6 +38,10 @@ first teacher piece is x (`PrefixGroups`, as the prefix target), compared with t
 total over that group: the teacher sets the group's share and the student keeps its own split
 inside it. A group never holds the row's single-token buckets; an alternative whose group
 would (its event is one of theirs) sends its mass to the tail, so buckets stay disjoint.
+
+`lookahead_prefix_end` is both: the KD position's alternatives in their groups, and the mass
+that reached the observed token split past its end. The end step's longer tokens are
+single-token buckets of the row, so a group that holds one of them sends its mass to the tail.
 """
 
 from __future__ import annotations
@@ -65,11 +69,13 @@ NEG_INF = float("-inf")
 LOOKAHEAD_DEPTH = 4
 
 
-LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end", "lookahead_prefix")
+LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end", "lookahead_prefix", "lookahead_prefix_end")
 # Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
 # over its whole vocabulary, so a vocabulary split does not take them (the fused pass does, with
 # `group_kernels`).
-PREFIX_TARGETS = ("prefix", "lookahead_prefix")
+PREFIX_TARGETS = ("prefix", "lookahead_prefix", "lookahead_prefix_end")
+# Targets that read the teacher's row after each student token's end.
+PAST_END_TARGETS = ("lookahead_end", "lookahead_prefix_end")
 
 
 def target_depth(target: str, same_as_student: bool) -> int:
@@ -80,8 +86,8 @@ def target_depth(target: str, same_as_student: bool) -> int:
 
 def reads_past_end(target: str, same_as_student: bool) -> bool:
     """Whether a teacher's targets include the row after each chunk's end (`target_rows`):
-    `lookahead_end` of a teacher with its own tokenizer."""
-    return target == "lookahead_end" and not same_as_student
+    `lookahead_end` or `lookahead_prefix_end` of a teacher with its own tokenizer."""
+    return target in PAST_END_TARGETS and not same_as_student
 
 
 def _log_add(a: Tensor, b: Tensor) -> Tensor:
@@ -132,10 +138,10 @@ def project_lookahead(
     (−1 past its end or where the target does not apply); `length [C]` its teacher tokens;
     `log_rest [C, D + 1]` at τ = 1, column d: the log-probability of the chunk's teacher tokens
     from `t_d` to its end (0 past it); `continuation` as for the context target. `single [C]`
-    (`lookahead_end`): chunks of one student token; the rows past a chunk's last teacher token
-    then hold the teacher's top-k at the position after it. `groups` (`lookahead_prefix`): the
-    KD position's entries other than the chunk's first teacher token go to their groups, from
-    column `group_from` of the buckets on."""
+    (`lookahead_end`, `lookahead_prefix_end`): chunks of one student token; the rows past a
+    chunk's last teacher token then hold the teacher's top-k at the position after it. `groups`
+    (`lookahead_prefix`, `lookahead_prefix_end`): the KD position's entries other than the
+    chunk's first teacher token go to their groups, from column `group_from` of the buckets on."""
     depth = topk_ids.shape[1]
     ids, lp, obs = topk_ids.long(), topk_logprobs, observed.long()
     chain = prefix_chain(obs, projection, depth)
