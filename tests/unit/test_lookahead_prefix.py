@@ -207,7 +207,7 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
     finite first KD values, `lookahead_prefix`'s not the lookahead target's, and at top 4096,
     `lookahead_prefix_end`'s (the rows past the ends read too) not `lookahead_prefix`'s. The
     untrained teacher is nearly uniform: a top-k of a twelfth of its vocabulary holds the
-    observed token at about as many of the positions where a path starts or ends."""
+    observed token at about a twelfth of the positions where a path starts or ends."""
     from tests.distributed import _harness as h
 
     kd = {}
