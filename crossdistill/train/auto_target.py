@@ -12,8 +12,10 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   and was level with `lookahead_prefix` (on Perl, at 90%, `lookahead_prefix` was a little
   ahead: too little, on one pair, to move the threshold).
 - **Far pairs** (at most `FAR_PAIR_RIGHT`; Llama-2 and Mistral for a Llama-3 student, 74-80%):
-  the first piece made the student worse than CE only, and `lookahead_prefix` closed the most
-  of the gap. Where the run cannot take it, the next best it can: `lookahead` for a
+  the first piece made the student worse than CE only; `lookahead_prefix` closed more of the
+  gap than the context and lookahead targets, and `lookahead_prefix_end` (the same, with the
+  observed token's mass split past its end) more than `lookahead_prefix`, on every paired
+  seed of two corpora. Where the run cannot take it, the next best it can: `lookahead` for a
   tensor-parallel student (the prefix groups sum over the whole student vocabulary, which
   tensor parallelism splits), `context` for a teacher read from a cache (it holds one position
   per student token).
@@ -36,6 +38,8 @@ from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig
 FAR_PAIR_RIGHT = 0.80
 # at or above it, a near pair (the audit's wording; the choice is the first piece either way)
 NEAR_PAIR_RIGHT = 0.95
+# what a far pair gets from a live teacher and a student without tensor parallelism
+FAR_TARGET = "lookahead_prefix_end"
 # text read to measure a pair: tens of thousands of KD positions, small enough to tokenize at
 # every load on every rank
 SAMPLE_BYTES = 1 << 18
@@ -94,10 +98,10 @@ def choose_target(
         return "first_piece", f"{share} ({above}): {kind}, where no target measured better"
     far = f"{share} (at most {FAR_PAIR_RIGHT:.0%}): a far pair"
     if cached:
-        return "context", f"{far}; lookahead_prefix needs the live teacher, a cache holds one row"
+        return "context", f"{far}; {FAR_TARGET} needs the live teacher, a cache holds one row"
     if tensor_parallel:
-        return "lookahead", f"{far}; lookahead_prefix does not take a tensor-parallel student"
-    return "lookahead_prefix", far
+        return "lookahead", f"{far}; {FAR_TARGET} does not take a tensor-parallel student"
+    return FAR_TARGET, far
 
 
 def resolve_targets(

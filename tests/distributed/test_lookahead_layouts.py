@@ -11,9 +11,9 @@ one its own rows; with the teachers tensor- or context-parallel as the student, 
 each rank (the two ranks share the teachers' work), each must give the one-process loss and
 gradient norm to 1e-5 relative for 3 optimizer steps, and the KD term to 1e-5 at the first
 step (the same weights) and to `KD_REL` after it.
-`lookahead_prefix` (its KD position's other tokens in byte-prefix groups, scored on the
-unfused path) runs on the context-parallel layout alone: a tensor-parallel student is refused
-with it (`tests/unit/test_lookahead_prefix.py`).
+`lookahead_prefix` and `lookahead_prefix_end` (the KD position's other tokens in byte-prefix
+groups, scored on the unfused path) run on the context-parallel layout alone: a tensor-parallel
+student is refused with them (`tests/unit/test_lookahead_prefix.py`).
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ def runs(tmp_path_factory, tokenizer_dir):
     return reference, other, _two_ranks(cfg, root, CASES)
 
 
-@pytest.fixture(scope="module")
-def prefix_runs(tmp_path_factory, tokenizer_dir):
-    """The one-process references of `lookahead_prefix` and of `lookahead` (the same projection
-    without its groups), and the cp2 run of `lookahead_prefix`."""
-    root = tmp_path_factory.mktemp("lookahead_prefix_layouts")
-    cfg = _config(root, tokenizer_dir, "lookahead_prefix")
+@pytest.fixture(scope="module", params=["lookahead_prefix", "lookahead_prefix_end"])
+def prefix_runs(request, tmp_path_factory, tokenizer_dir):
+    """The one-process references of a prefix-group target and of `lookahead` (the same
+    projection without its groups), and the target's cp2 run."""
+    root = tmp_path_factory.mktemp(f"{request.param}_layouts")
+    cfg = _config(root, tokenizer_dir, request.param)
     sc = h.prepare(cfg, h.STEPS * h.WINDOW, root / "scenario.pt")
     assert sc.projections["qwen"].groups is not None
     lookahead = copy.deepcopy(cfg)
@@ -131,7 +131,7 @@ def test_a_split_student_on_lookahead_end_matches_one_process(runs, case):
     _assert_matches(got[case], reference, case)
 
 
-def test_a_context_parallel_student_on_lookahead_prefix_matches_one_process(prefix_runs):
+def test_a_context_parallel_student_on_the_prefix_targets_matches_one_process(prefix_runs):
     """Each of the two ranks scores its own rows' grouped buckets (the groups span the whole
     vocabulary, which every rank holds): the one-process loss, norm and KD term. The groups
     move the first step's KD term from `lookahead`'s by more than twice `KD_REL` of its size,

@@ -39,7 +39,7 @@ def test_near_and_far_pairs_get_what_the_quality_benchmark_measured(tokenizer_di
     assert near["classes"]["digits"]["one_to_one_share"] < 1.0
     assert near["classes"]["digits"]["mean_chunk_tokens_teacher"] > 1.0
     assert far["first_piece"]["right"] < near["first_piece"]["right"]
-    assert far["recommendation"]["target"] == "lookahead_prefix"
+    assert far["recommendation"]["target"] == "lookahead_prefix_end"
     assert any("far pair" in w for w in far["warnings"])
     for r in (near, far):
         assert 0 < r["one_to_one_share"] < 1
@@ -114,5 +114,5 @@ def test_a_pair_between_the_measured_ones_keeps_the_first_piece_and_says_to_comp
     middle, warnings = recommend(report(0.88))
     assert middle["target"] == "first_piece" and "--target lookahead_prefix" in middle["why"]
     assert not warnings
-    assert recommend(report(0.80))[0]["target"] == "lookahead_prefix"
+    assert recommend(report(0.80))[0]["target"] == "lookahead_prefix_end"
     assert recommend(report(0.95))[0]["target"] == "first_piece"

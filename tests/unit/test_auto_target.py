@@ -46,8 +46,8 @@ def write_jsonl(path: Path, rows: list) -> str:
     [
         (0.97, False, False, "first_piece"),
         (0.8001, False, False, "first_piece"),
-        (0.80, False, False, "lookahead_prefix"),
-        (0.5, False, False, "lookahead_prefix"),
+        (0.80, False, False, "lookahead_prefix_end"),
+        (0.5, False, False, "lookahead_prefix_end"),
         (0.80, True, False, "context"),
         (0.80, True, True, "context"),
         (0.74, False, True, "lookahead"),
@@ -202,7 +202,7 @@ def test_resolve_targets_chooses_per_teacher_and_leaves_the_config(tmp_path, tok
 
     got, notes = resolve_targets(cfg, tok_s, toks_t)
     assert [t.target for t in got] == [
-        "first_piece", "context", "lookahead_prefix", "first_piece", "first_piece"
+        "first_piece", "context", "lookahead_prefix_end", "first_piece", "first_piece"
     ]  # fmt: skip
     assert cfg.teachers == before and cfg.teachers[2].target == "auto"
     assert got[1] is cfg.teachers[1]
@@ -230,7 +230,7 @@ def test_a_run_with_a_far_teacher_logs_the_choice_and_saves_auto(
     tmp_path, tokenizer_dir, texts, capsys
 ):
     """`train()` on tiny models, Llama-3 student and Llama-2 teacher at the default target: the
-    run's log says `auto -> lookahead_prefix`, the saved config keeps `auto`, the KD loss is
+    run's log says `auto -> lookahead_prefix_end`, the saved config keeps `auto`, the KD loss is
     finite."""
     from tests.distributed import _harness as h
 
@@ -248,6 +248,6 @@ def test_a_run_with_a_far_teacher_logs_the_choice_and_saves_auto(
     kd = h.first_kd(cfg)
     assert math.isfinite(kd) and kd > 0
     err = capsys.readouterr().err
-    assert "teachers.0 (far): target auto -> lookahead_prefix:" in err
+    assert "teachers.0 (far): target auto -> lookahead_prefix_end:" in err
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["teachers"][0]["target"] == "auto"
