@@ -273,6 +273,8 @@ def measure(
         else:
             result = {}
         result.update(timed_steps(bench, args))
+        # each teacher's target as the run resolved it (`auto` chooses at load, from the pair)
+        result["targets"] = [slot.cfg.target for slot in bench.c.slots]
         if bench.c.env.world_size > 1:
             result.update(job_rates(bench, result))
         if reference is not None:
@@ -375,6 +377,7 @@ def print_table(result: dict) -> None:
         "device",
         "student",
         "teachers",
+        "targets",
         "seq_len",
         "micro_batch",
         "grad_accum",

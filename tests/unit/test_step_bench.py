@@ -38,6 +38,8 @@ def test_bench_step_smoke_on_cpu(tokenizer_dir):
     (ratio,) = result["teacher_tokens_per_student_token"]
     assert 0.8 < ratio < 1.25 and ratio != 1.0
     assert result["attention"] == "auto" and result["teacher_padding"] == "auto"
+    # `--target auto` (the default), resolved at load: Mistral's pieces are Llama-2's
+    assert result["targets"] == ["first_piece"]
     prof = result["profile"]
     assert prof["top"] and prof["busy_ms"] > 0 and prof["step_ms"] > 0
     assert abs(sum(prof["ms_by_kind"].values()) - prof["busy_ms"]) < 1e-6 * prof["busy_ms"] + 1e-9
