@@ -30,7 +30,7 @@ TEACHER_LENGTH_FACTOR = 2
 # The choices of the settings below, defined once (the modules that act on them import these).
 DistributionLoss = Literal["forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd"]
 LossName = Literal[
-    "forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd", "gold", "uld", "chunk_likelihood"
+    "forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd", "gold", "hkl", "uld", "chunk_likelihood"
 ]
 DISTRIBUTION_LOSSES: tuple[str, ...] = get_args(DistributionLoss)
 LOSSES: tuple[str, ...] = get_args(LossName)

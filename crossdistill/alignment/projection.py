@@ -385,3 +385,33 @@ def joins_of(bytes_t: TokenBytes, bytes_s: TokenBytes) -> np.ndarray:
         return np.zeros((0, 3), dtype=np.int64)
     out = np.asarray(rows, dtype=np.int64)
     return out[np.lexsort((out[:, 1], out[:, 0]))]
+
+
+def relaxed_matches(tok_t, tok_s) -> np.ndarray:
+    """`[V_t]` int64: the `hkl` loss's one-to-one pairing of teacher and student tokens (the
+    relaxed common vocabulary of X-Token's hybrid KL), −1 for a teacher token left unpaired.
+
+    A teacher token with an exact student match (the same bytes) is paired with it, as in
+    `gold`. Every other teacher token t is paired with a student token whose bytes, cut by the
+    teacher's tokenizer, start with t: the one cut into the fewest teacher pieces (X-Token's
+    decaying piece weights rank it first), then the lowest id. A student token that is some
+    teacher token's exact match is never paired with another, so no student token is paired
+    twice. Identical tokenizers pair every token with itself."""
+    forward = build_projection(tok_t, tok_s)
+    matched = np.where(forward.exact.numpy(), forward.first_piece.numpy(), -1)
+    if forward.fingerprint_t == forward.fingerprint_s:
+        return matched
+    backward = build_projection(tok_s, tok_t, mode="multi_piece")
+    first = backward.first_piece.numpy()  # each student token's first teacher piece
+    pieces = np.bincount(backward.rows.numpy(), minlength=first.shape[0])
+    taken = np.zeros(first.shape[0], dtype=bool)
+    taken[matched[matched >= 0]] = True
+    open_t = np.zeros(matched.shape[0] + 1, dtype=bool)
+    open_t[: matched.shape[0]] = matched < 0
+    cand = np.flatnonzero((first >= 0) & ~taken & open_t[np.where(first >= 0, first, -1)])
+    order = np.lexsort((cand, pieces[cand], first[cand]))  # by teacher, fewest pieces, lowest id
+    cand = cand[order]
+    lead = np.ones(cand.shape[0], dtype=bool)
+    lead[1:] = first[cand[1:]] != first[cand[:-1]]
+    matched[first[cand[lead]]] = cand[lead]
+    return matched

@@ -40,7 +40,7 @@ from typing import Any
 from crossdistill.bench import library_versions
 from crossdistill.bench.quality_corpus import bytes_per_token, share_path, write_corpus
 from crossdistill.bench.quality_report import Cell, summarize
-from crossdistill.bench.quality_spec import ARCH_KEYS, QualitySpec, Scale
+from crossdistill.bench.quality_spec import ARCH_KEYS, QualitySpec, Scale, cell_settings
 from crossdistill.config import Config, TeacherConfig, from_dict, to_dict
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
@@ -195,7 +195,7 @@ class Experiment:
             self.labels[path] = label
         self.cells = [Cell("ce"), Cell("same", self.same_label, SAME_LOSS)]
         for label in self.labels.values():
-            for loss, target in [(lo, ta) for lo in spec.losses for ta in spec.targets]:
+            for loss, target in cell_settings(spec.losses, spec.targets):
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
                 self.cells.append(Cell(f"cross-{label}-{loss}{suffix}", label, loss, target))
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds

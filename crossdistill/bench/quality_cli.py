@@ -74,7 +74,8 @@ def add_parser(subparsers) -> None:
         action="append",
         choices=TARGETS,
         default=None,
-        help=f"the projected losses' target (repeatable; default {TeacherConfig.target})",
+        help=f"the projected losses' target (repeatable; default {TeacherConfig.target}): each "
+        "projected loss runs under each target, the other losses once",
     )
     p.add_argument("--kd-ratio", type=float, default=0.5)
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)

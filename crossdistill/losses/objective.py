@@ -32,7 +32,7 @@ from crossdistill.losses.sharding import RowShard, VocabShard
 
 # Losses whose gradient has a sign(q − p) factor: where the two probabilities are close, the
 # rounding of bf16 logits flips it, so the fused pass keeps float32 logits for them.
-SIGN_LOSSES = ("tvd", "uld", "gold")
+SIGN_LOSSES = ("tvd", "uld", "gold", "hkl")
 
 
 def student_loss(
@@ -61,7 +61,7 @@ def student_loss(
     their PyTorch reference elsewhere; token-group buckets add `losses.group_kernels`); None =
     on CUDA when Triton is installed. The fused
     pass keeps the logits in the matmul dtype (bf16 under bf16, as a plain lm_head gives them;
-    all softmax math is float32), except with a tvd/uld/gold term (`SIGN_LOSSES`).
+    all softmax math is float32), except with a tvd/uld/gold/hkl term (`SIGN_LOSSES`).
 
     Metrics (all detached, no host sync): `loss`, `ce` (Σ CE / ce_denominator), `num_ce`; per
     teacher `kd/<name>` (τ²·Σ D / denominator), `top1/<name>` (Σ student argmax == projected

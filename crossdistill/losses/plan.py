@@ -264,15 +264,15 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         logq = _to_rows(tg.topk_logprobs, rows, valid, n, NEG_INF)
         tail = _to_rows(tg.tail_logprob, rows, valid, n, 0.0)
         return [Part("l1", logq, logq_tail=tail)]
-    if term.loss == "gold":
-        exact = proj.exact_only()
+    if term.loss in ("gold", "hkl"):  # the common vocabulary by forward KL, the rest by ULD
+        pairs = proj.exact_only() if term.loss == "gold" else proj.matched_only()
         ids, logq, ok, tail = _bucket_rows(
-            project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, exact), rows, valid, n
+            project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, pairs), rows, valid, n
         )
         common = Part("forward_kl", logq, ids=ids, valid=ok, logq_tail=tail)
-        exact_t = exact.exact[tg.topk_ids.long()]
-        rest_t = torch.where(exact_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
-        rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=proj.common_student())
+        paired_t = pairs.exact[tg.topk_ids.long()]
+        rest_t = torch.where(paired_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
+        rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=pairs.images())
         return [common, rest]
     params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
     if proj.groups is not None and term.lookahead is None:  # the byte-prefix target: groups

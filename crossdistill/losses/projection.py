@@ -30,7 +30,9 @@ NEG_INF = float("-inf")
 class VocabProjection:
     """Teacher → student vocabulary map: `pieces [V_t, P]` student ids (−1 = none) with
     `weights [V_t, P]` (rows sum to 1 over their pieces); `exact [V_t]` marks teacher tokens whose
-    first piece is the whole token (needed by `gold` only)."""
+    first piece is the whole token (needed by `gold` only); `matched [V_t]` is the `hkl` loss's
+    one-to-one pairing of teacher and student tokens (student id, −1 = none;
+    `alignment.projection.relaxed_matches`)."""
 
     pieces: Tensor
     weights: Tensor
@@ -38,14 +40,17 @@ class VocabProjection:
     exact: Tensor | None = None
     groups: PrefixGroups | None = None  # the byte-prefix target's groups (`teachers.N.target`)
     joins: Joins | None = None  # the lookahead target's table (`teachers.N.target`)
+    matched: Tensor | None = None
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
         """Identical tokenizers: every token maps to itself, exactly."""
         ids = torch.arange(vocab, device=device)
-        return cls.from_first_piece(
+        out = cls.from_first_piece(
             ids, vocab, exact=torch.ones(vocab, dtype=torch.bool, device=device)
         )
+        out.matched = ids
+        return out
 
     @classmethod
     def from_first_piece(
@@ -95,19 +100,40 @@ class VocabProjection:
         first = torch.where(self.exact, self.first_piece, -1)
         return VocabProjection.from_first_piece(first, self.num_student, self.exact)
 
-    def common_student(self) -> Tensor:
-        """`[V_s]` bool: student tokens that are the exact image of some teacher token."""
-        first = self.exact_only().first_piece
+    def matched_only(self) -> VocabProjection:
+        """Only the `hkl` loss's pairs, each teacher token to its one student token; `exact`
+        marks the paired teacher tokens."""
+        if self.matched is None:
+            raise UserError(
+                "the hkl loss pairs teacher and student tokens one to one; build the vocabulary "
+                "projection with its `matched` pairs (alignment.projection.relaxed_matches)"
+            )
+        return VocabProjection.from_first_piece(self.matched, self.num_student, self.matched >= 0)
+
+    def images(self) -> Tensor:
+        """`[V_s]` bool: student tokens that are the first piece of some teacher token (of a
+        one-piece map such as `exact_only()` or `matched_only()`: the common vocabulary)."""
+        first = self.first_piece
         marks = torch.zeros(self.num_student + 1, dtype=torch.bool, device=first.device)
         marks[torch.where(first >= 0, first, self.num_student)] = True
         return marks[: self.num_student]
 
+    def common_student(self) -> Tensor:
+        """`[V_s]` bool: student tokens that are the exact image of some teacher token."""
+        return self.exact_only().images()
+
     def to(self, device: torch.device | str) -> VocabProjection:
-        exact = None if self.exact is None else self.exact.to(device)
-        groups = None if self.groups is None else self.groups.to(device)
-        joins = None if self.joins is None else self.joins.to(device)
+        def move(x):
+            return None if x is None else x.to(device)
+
         return VocabProjection(
-            self.pieces.to(device), self.weights.to(device), self.num_student, exact, groups, joins
+            self.pieces.to(device),
+            self.weights.to(device),
+            self.num_student,
+            move(self.exact),
+            move(self.groups),
+            move(self.joins),
+            move(self.matched),
         )
 
 

@@ -55,8 +55,11 @@ def build_projection_for(
     if tokenizer_fingerprint(tok_t) == tokenizer_fingerprint(tok_s):
         first = torch.arange(len(tok_s))
         exact = torch.ones(len(tok_s), dtype=torch.bool)
-        return _padded(first, exact, rows_t, rows_s, device)
-    from crossdistill.alignment.projection import Projection, build_projection
+        out = _padded(first, exact, rows_t, rows_s, device)
+        if tcfg.loss == "hkl":
+            out.matched = torch.where(out.exact, out.first_piece, -1)
+        return out
+    from crossdistill.alignment.projection import Projection, build_projection, relaxed_matches
 
     if tcfg.projection:
         proj = Projection.load(tcfg.projection, tok_t=tok_t, tok_s=tok_s)
@@ -78,6 +81,9 @@ def build_projection_for(
     if tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
+    if tcfg.loss == "hkl":
+        matched = torch.from_numpy(relaxed_matches(tok_t, tok_s))
+        out.matched = _padded_ids(matched, rows_t, rows_s).to(device)
     if tcfg.target in LOOKAHEAD_TARGETS:
         from crossdistill.alignment.projection import build_joins
 

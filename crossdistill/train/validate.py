@@ -98,12 +98,12 @@ def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
 
 
 # Losses with a forward-KL part: the teacher's tail mass must have a student bucket to go to.
-_TAIL_NEEDS_ROOM = ("forward_kl", "gold")
+_TAIL_NEEDS_ROOM = ("forward_kl", "gold", "hkl")
 
 
 def _check_top_k(t: Any, i: int, vocab_s: int, vocab_t: int) -> None:
     """Top-k settings the losses cannot use on these vocabularies (`vocab_*`: embedding rows).
-    `uld`/`gold` sort the teacher's top-k against the student's top-k, so k cannot exceed the
+    `uld`/`gold`/`hkl` sort the teacher's top-k against the student's top-k, so k cannot exceed the
     student's vocabulary. A forward KL is infinite once the projected top-k can cover every
     student id while the teacher keeps mass outside its top-k (k < its vocabulary): that mass
     would land on a student bucket of probability 0."""
@@ -113,7 +113,7 @@ def _check_top_k(t: Any, i: int, vocab_s: int, vocab_t: int) -> None:
             f"({', '.join(DISTRIBUTION_LOSSES)}), not {t.loss}: set teachers.{i}.target=first_piece"
         )
     where = f"teachers.{i}.top_k = {t.top_k}"
-    if t.loss in ("uld", "gold") and t.top_k > vocab_s:
+    if t.loss in ("uld", "gold", "hkl") and t.top_k > vocab_s:
         raise UserError(
             f"{where} exceeds the student's vocabulary of {vocab_s} ids; {t.loss} compares the "
             f"teacher's top-k with the student's: use top_k <= {vocab_s}"

@@ -86,10 +86,24 @@ def _loss_inputs(loss: str, tau: float):
     term = KDTerm(
         targets, proj, chunks, torch.tensor(23.0, dtype=torch.float64), loss=loss, weight=0.7
     )
+    # hkl's one-to-one pairs: 80 teacher tokens, each with a student token of its own
+    proj.matched = torch.full((v_t,), -1, dtype=torch.long)
+    paired = torch.randperm(v_t, generator=gen)[:80]
+    proj.matched[paired] = torch.randperm(v_s, generator=gen)[:80]
     return h, w, labels, term, (h_t, w_t, kd_t, next_t)
 
 
-LOSSES = ["forward_kl", "reverse_kl", "jsd", "skew_kl", "tvd", "gold", "uld", "chunk_likelihood"]
+LOSSES = [
+    "forward_kl",
+    "reverse_kl",
+    "jsd",
+    "skew_kl",
+    "tvd",
+    "gold",
+    "hkl",
+    "uld",
+    "chunk_likelihood",
+]
 METRICS = ["ce", "kd/teacher", "top1/teacher", "nll_s/teacher", "nll_t/teacher"]
 
 

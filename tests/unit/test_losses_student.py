@@ -54,6 +54,14 @@ def make_problem(seed, n=14, n_t=12, h=4, v_s=16, v_t=13, k=5, dtype=F64, tau=1.
     exact = (torch.rand(v_t, generator=gen) < 0.6) & (first >= 0)
     exact[1] = False  # teacher 0 and 1 share student 0; only 0 is an exact match
     proj = VocabProjection.from_first_piece(first, v_s, exact=exact)
+    # hkl's one-to-one pairs: the exact matches, and some other teacher tokens each paired with
+    # a student token no other teacher token has
+    matched = torch.where(exact, first, -1)
+    free = [s for s in torch.randperm(v_s, generator=gen).tolist() if s not in matched.tolist()]
+    for t in torch.nonzero(~exact).flatten().tolist()[: len(free)]:
+        if torch.rand((), generator=gen) < 0.6:
+            matched[t] = free.pop()
+    proj.matched = matched
     return hidden, weight, labels, chunks, targets, proj
 
 
@@ -93,7 +101,10 @@ def plain_kd(name, z_row, tg, c, proj, tau, params):
     if name == "uld":
         p_top = p.sort(descending=True).values[: len(ids)]
         return sum(abs(a - b) for a, b in zip(q_top, p_top)) + abs(q_tail - (1 - p_top.sum()))
-    if name == "gold":
+    if name in ("gold", "hkl"):  # gold pairs the exact matches, hkl its own pairs
+        if name == "hkl":
+            first = proj.matched.tolist()
+            exact = [s >= 0 for s in first]
         common = {}
         rest_t = []
         for t, q in zip(ids, q_top):
@@ -205,7 +216,9 @@ def test_matches_plain_float64_reference(loss, tau):
         assert metrics[f"kd/{loss}"] > 0  # the term is really there
 
 
-@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "tvd", "uld", "gold", "chunk_likelihood"])
+@pytest.mark.parametrize(
+    "loss", ["forward_kl", "jsd", "tvd", "uld", "gold", "hkl", "chunk_likelihood"]
+)
 def test_chunked_gradcheck(loss):
     hidden, weight, labels, terms = terms_for(loss, seed=2, tau=1.5, n=7, n_t=6, v_s=9, v_t=8, k=3)
 
@@ -270,7 +283,7 @@ def ordinary_per_token(loss, z_s, z_t, labels, tau):
     total = 0.0
     for r in range(z_s.shape[0] - 1):
         p, q = torch.softmax(z_s[r] / tau, -1), torch.softmax(z_t[r] / tau, -1)
-        if loss in ("forward_kl", "gold"):
+        if loss in ("forward_kl", "gold", "hkl"):
             total = total + (q * (q.log() - p.log())).sum()
         elif loss == "reverse_kl":
             total = total + (p * (p.log() - q.log())).sum()

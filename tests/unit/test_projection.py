@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from crossdistill.alignment import TokenBytes
-from crossdistill.alignment.projection import Projection, build_projection, exact_match_mask
+from crossdistill.alignment.projection import (
+    Projection,
+    build_projection,
+    exact_match_mask,
+    relaxed_matches,
+)
 from crossdistill.errors import UserError
 
 
@@ -129,6 +134,38 @@ def test_identical_tokenizers_give_the_identity(small):
     assert torch.equal(proj.first_piece, torch.arange(32000))
     assert torch.equal(proj.rows, torch.arange(32000)) and torch.equal(proj.cols, proj.rows)
     assert bool((proj.weights == 1).all()) and bool(proj.exact.all())
+
+
+def test_relaxed_matches_pair_each_teacher_token_with_its_best_student_token(small):
+    """hkl's pairs, checked against a plain loop over the student tokens: the exact matches,
+    then for every other teacher token the student token it starts that the teacher cuts into
+    the fewest pieces (lowest id on a tie), each student token paired at most once."""
+    tok_t, tok_s = small["llama2"], small["gpt2"]
+    got = relaxed_matches(tok_t, tok_s)
+    forward = build_projection(tok_t, tok_s)
+    exact = forward.exact.numpy()
+    assert np.array_equal(got[exact], forward.first_piece.numpy()[exact])
+    backward = build_projection(tok_s, tok_t, mode="multi_piece")
+    first_t = backward.first_piece.tolist()
+    n_pieces = np.bincount(backward.rows.numpy(), minlength=len(first_t)).tolist()
+    images = set(got[exact].tolist())
+    best: dict[int, tuple[int, int]] = {}
+    for s_id, t in enumerate(first_t):
+        if t >= 0 and s_id not in images and not exact[t]:
+            best[t] = min(best.get(t, (n_pieces[s_id], s_id)), (n_pieces[s_id], s_id))
+    want = np.where(exact, got, -1)
+    for t, (_, s_id) in best.items():
+        want[t] = s_id
+    assert np.array_equal(got, want)
+    relaxed = got[(got >= 0) & ~exact]
+    assert len(relaxed) > 100 and len(set(relaxed.tolist())) == len(relaxed)
+    pieces_t, pieces_s = (
+        TokenBytes.from_tokenizer(tok_t).pieces(),
+        TokenBytes.from_tokenizer(tok_s).pieces(),
+    )
+    for t in np.flatnonzero((got >= 0) & ~exact):
+        assert pieces_s[got[t]].startswith(pieces_t[t]) and pieces_s[got[t]] != pieces_t[t]
+    assert np.array_equal(relaxed_matches(tok_t, tok_t), np.arange(32000))
 
 
 def test_save_load_and_refuse_other_tokenizers(small, gpt2_to_llama2, tmp_path):

@@ -23,7 +23,7 @@ from crossdistill.bench.quality_corpus import (
     spread_pieces,
 )
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
-from crossdistill.bench.quality_spec import SCALES, QualitySpec, teacher_shape
+from crossdistill.bench.quality_spec import SCALES, QualitySpec, cell_settings, teacher_shape
 from crossdistill.cli import build_parser, main
 from crossdistill.config import TeacherConfig
 from crossdistill.errors import UserError
@@ -253,12 +253,23 @@ def test_settings_are_checked_once_with_the_fix_named(tmp_path, tokenizer_dir):
         (dict(teacher_tokenizers=[]), "--teacher-tokenizer"),
         (dict(losses=["nope"]), "unknown --loss 'nope'"),
         (dict(kd_ratio=0.0), "--kd-ratio"),
-        (dict(targets=["prefix"], losses=["gold"]), "--target prefix applies to the projected"),
         (dict(corpora=[str(tmp_path / "missing.jsonl")]), "does not exist"),
     ]
     for change, message in bad:
         with pytest.raises(UserError, match=message.replace("'", ".")):
             QualitySpec(**{**base, **change}).check()
+
+
+def test_targets_apply_to_the_projected_losses_and_the_others_run_once():
+    got = cell_settings(["forward_kl", "uld", "jsd", "hkl"], ["prefix", "lookahead"])
+    assert got == [
+        ("forward_kl", "prefix"),
+        ("forward_kl", "lookahead"),
+        ("uld", "auto"),
+        ("jsd", "prefix"),
+        ("jsd", "lookahead"),
+        ("hkl", "auto"),
+    ]
 
 
 def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):
