@@ -34,6 +34,10 @@ positions (`*_of_kd`: the same counts as shares of all KD positions):
   `t_0 … t_d` are a student token (`a_{d+1}`; the last is the student's token itself);
 - `multi_length`: the shares of the multi positions with m = 2, 3, 4 and more.
 
+Over all KD positions, how the `hkl` loss (X-Token's hybrid KL) pairs the observed teacher
+token (`alignment.projection.relaxed_matches`): `hkl_exact`, with its exact student twin (as
+`gold` does); `hkl_relaxed`, with a longer student token it starts; `hkl_unpaired`, neither.
+
 Over all KD positions, what `teachers.N.target: lookahead_end` reads past the student's token:
 
 - `end_step`: the path reaches the student's token (one student token, m < D, every prefix a
@@ -62,7 +66,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from crossdistill.alignment import align  # noqa: E402
-from crossdistill.alignment.projection import build_projection, joins_of  # noqa: E402
+from crossdistill.alignment.projection import (  # noqa: E402
+    build_projection,
+    joins_of,
+    relaxed_matches,
+)
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
 from crossdistill.bench.quality_corpus import corpus_pieces  # noqa: E402
 from crossdistill.losses import LOOKAHEAD_DEPTH, PrefixGroups  # noqa: E402
@@ -95,8 +103,11 @@ def path_length(ids_t, pieces_t: list[bytes], known: set[bytes]) -> int:
 
 def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
-    forward = build_projection(tok_t, tok_s).first_piece
+    projection = build_projection(tok_t, tok_s)
+    forward = projection.first_piece
     first = forward.numpy()
+    exact, paired = projection.exact.numpy(), relaxed_matches(tok_t, tok_s) >= 0
+    hkl = np.zeros(3, dtype=np.int64)  # exact, relaxed, unpaired
     groups = PrefixGroups.from_first_pieces(build_projection(tok_s, tok_t).first_piece, forward)
     event_s, event_t = groups.student_event.numpy(), groups.teacher_event.first_piece.numpy()
     counts = dict.fromkeys(KINDS, 0)
@@ -121,6 +132,10 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
         at = chunks[(chunks[:, 0] > 0) & (chunks[:, 2] > 0)]
         label, target, right = ids_s[at[:, 0]], first[ids_t[at[:, 2]]], kinds["right"]
         prefix_right += int((event_s[label] == event_t[ids_t[at[:, 2]]]).sum())
+        observed_t = ids_t[at[:, 2]]
+        hkl += np.bincount(
+            np.where(exact[observed_t], 0, np.where(paired[observed_t], 1, 2)), minlength=3
+        )
         label_bytes += int(bytes_s.lengths[label[~right]].sum())
         target_bytes += int(bytes_s.lengths[target[~right & (target >= 0)]].sum())
         multi = at[(at[:, 1] - at[:, 0] == 1) & (at[:, 3] - at[:, 2] > 1)]
@@ -150,6 +165,8 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     # rest sit inside chunks of several student tokens and get CE only
     out["student_positions_with_kd"] = total / max(predicted, 1)
     out["prefix_right"] = prefix_right / max(total, 1)
+    for name, count in zip(("hkl_exact", "hkl_relaxed", "hkl_unpaired"), hkl.tolist()):
+        out[name] = count / max(total, 1)
     n_multi = int(lengths.sum())
     out["multi"] = n_multi / max(total, 1)
     out["lookahead_reach"] = reach / max(n_multi, 1)

@@ -3,7 +3,8 @@
 - `teacher_targets` → `TeacherTargets`: a teacher's top-k + tail at KD positions and its
   next-token log-probs, computed in chunks under `no_grad`.
 - Divergences on log-probs with masks and sum reduction: `forward_kl`, `reverse_kl`, `jsd`,
-  `skew_kl`, `tvd`, `gold`, `uld`, `chunk_likelihood`, `ce`.
+  `skew_kl`, `tvd`, `gold`, `uld`, `chunk_likelihood`, `ce`. The `hkl` loss is `gold`'s math
+  on its own token pairs (`VocabProjection.matched`; `plan.py` lays out both).
 - `student_loss(hidden, lm_head, labels, [KDTerm, ...], kd_ratio, ce_denominator)` → loss and
   detached metrics; chunked over sequence rows (never `[N, V_s]` logits), with a full-logits
   reference backend.

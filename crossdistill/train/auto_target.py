@@ -21,7 +21,8 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   per student token).
 
 A teacher with the student's tokenizer, or a loss without a projected target
-(`chunk_likelihood`, `uld`, `gold`), gets `first_piece`, the target having nothing to do there.
+(`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do
+there.
 The sample is the same on every rank, so every process of a job makes the same choice.
 """
 

@@ -61,7 +61,7 @@ def test_choose_target_at_and_around_the_far_pair_threshold(right, cached, tp, w
     assert f"{right:.1%}" in why and ("a far pair" in why) == (right <= FAR_PAIR_RIGHT)
 
 
-@pytest.mark.parametrize("loss", ["chunk_likelihood", "uld", "gold"])
+@pytest.mark.parametrize("loss", ["chunk_likelihood", "uld", "gold", "hkl"])
 def test_a_loss_without_a_projected_target_or_an_unmeasured_pair_keeps_the_first_piece(loss):
     assert loss not in DISTRIBUTION_LOSSES
     target, why = choose_target(0.5, loss, cached=False, tensor_parallel=False)

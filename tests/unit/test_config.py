@@ -141,6 +141,8 @@ def _loss_config(loss: str, top_k: int, vocab_s: int, vocab_t: int, **teacher):
         ("gold", 100, 64, 500, "exceeds the student's vocabulary of 64 ids"),
         ("forward_kl", 64, 64, 500, "can cover all 64 student ids"),
         ("gold", 64, 64, 500, "can cover all 64 student ids"),
+        ("hkl", 100, 64, 500, "exceeds the student's vocabulary of 64 ids"),
+        ("hkl", 64, 64, 500, "can cover all 64 student ids"),
         ("jsd", 64, 64, 500, None),  # bounded: the tail's mass needs no student bucket
         ("forward_kl", 600, 64, 500, None),  # the whole teacher vocabulary: no tail mass
         ("forward_kl", 63, 64, 500, None),

@@ -52,7 +52,7 @@ def _reference_pass(h64, w64, labels, terms):
 
 
 @pytest.mark.parametrize("fused", [False, True])
-@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "uld", "gold", "chunk_likelihood"])
+@pytest.mark.parametrize("loss", ["forward_kl", "jsd", "uld", "gold", "hkl", "chunk_likelihood"])
 def test_cuda_bf16_matches_float64(loss, fused):
     problem = terms_for(loss, seed=40, n=64, n_t=60, v_s=3000, v_t=2500, k=32)
     _bf16_cuda_against_float64(problem, fused)

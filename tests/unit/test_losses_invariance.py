@@ -25,7 +25,7 @@ from tests.unit.test_losses_student import make_problem, plain_student_loss, rel
 F64 = torch.float64
 
 
-@pytest.mark.parametrize("loss", ["forward_kl", "gold", "uld", "chunk_likelihood"])
+@pytest.mark.parametrize("loss", ["forward_kl", "gold", "hkl", "uld", "chunk_likelihood"])
 def test_chunk_size_does_not_change_loss_or_gradient(loss):
     hidden, weight, labels, terms = terms_for(loss, seed=20, tau=1.5)
     base = run("chunked", hidden, weight, labels, terms, chunk_size=hidden.shape[0])

@@ -501,6 +501,10 @@ def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     assert far["label_bytes_where_wrong"] > far["target_bytes_where_wrong"]
     # the prefix target's groups hold the observed token wherever the first piece missed it
     assert same["prefix_right"] == 1.0 and far["prefix_right"] > far["right"] + 0.05
+    # hkl pairs every token of an identical teacher exactly; each KD position has one class
+    assert same["hkl_exact"] == 1.0
+    hkl = ("hkl_exact", "hkl_relaxed", "hkl_unpaired")
+    assert sum(far[k] for k in hkl) == pytest.approx(1.0) and far["hkl_exact"] > 0.9
     # the lookahead target: no chunk of one student token over several teacher tokens under an
     # identical teacher; under Llama-2 the path starts wherever it reaches, and the counts agree
     # as shares of the multi positions and of all KD positions
