@@ -393,10 +393,10 @@ def relaxed_matches(tok_t, tok_s) -> np.ndarray:
 
     A teacher token with an exact student match (the same bytes) is paired with it, as in
     `gold`. Every other teacher token t is paired with a student token whose bytes, cut by the
-    teacher's tokenizer, start with t: the one cut into the fewest teacher pieces (X-Token's
-    decaying piece weights rank it first), then the lowest id. A student token that is some
-    teacher token's exact match is never paired with another, so no student token is paired
-    twice. Identical tokenizers pair every token with itself."""
+    teacher's tokenizer, start with t: the one cut into the fewest distinct teacher pieces
+    (X-Token's decaying piece weights rank it first), then the lowest id. A student token that
+    is some teacher token's exact match is never paired with another, so no student token is
+    paired twice. Identical tokenizers pair every token with itself."""
     forward = build_projection(tok_t, tok_s)
     matched = np.where(forward.exact.numpy(), forward.first_piece.numpy(), -1)
     if forward.fingerprint_t == forward.fingerprint_s:
