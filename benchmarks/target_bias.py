@@ -106,7 +106,7 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     projection = build_projection(tok_t, tok_s)
     forward = projection.first_piece
     first = forward.numpy()
-    exact, paired = projection.exact.numpy(), relaxed_matches(tok_t, tok_s) >= 0
+    exact, paired = projection.exact.numpy(), relaxed_matches(tok_t, tok_s, projection) >= 0
     hkl = np.zeros(3, dtype=np.int64)  # exact, relaxed, unpaired
     groups = PrefixGroups.from_first_pieces(build_projection(tok_s, tok_t).first_piece, forward)
     event_s, event_t = groups.student_event.numpy(), groups.teacher_event.first_piece.numpy()

@@ -387,7 +387,7 @@ def joins_of(bytes_t: TokenBytes, bytes_s: TokenBytes) -> np.ndarray:
     return out[np.lexsort((out[:, 1], out[:, 0]))]
 
 
-def relaxed_matches(tok_t, tok_s) -> np.ndarray:
+def relaxed_matches(tok_t, tok_s, forward: Projection | None = None) -> np.ndarray:
     """`[V_t]` int64: the `hkl` loss's one-to-one pairing of teacher and student tokens (the
     relaxed common vocabulary of X-Token's hybrid KL), −1 for a teacher token left unpaired.
 
@@ -396,8 +396,9 @@ def relaxed_matches(tok_t, tok_s) -> np.ndarray:
     teacher's tokenizer, start with t: the one cut into the fewest distinct teacher pieces
     (X-Token's decaying piece weights rank it first), then the lowest id. A student token that
     is some teacher token's exact match is never paired with another, so no student token is
-    paired twice. Identical tokenizers pair every token with itself."""
-    forward = build_projection(tok_t, tok_s)
+    paired twice. Identical tokenizers pair every token with itself. `forward`: the pair's
+    teacher-to-student projection, when the caller has built it already."""
+    forward = build_projection(tok_t, tok_s) if forward is None else forward
     matched = np.where(forward.exact.numpy(), forward.first_piece.numpy(), -1)
     if forward.fingerprint_t == forward.fingerprint_s:
         return matched

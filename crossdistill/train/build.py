@@ -82,7 +82,7 @@ def build_projection_for(
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     if tcfg.loss == "hkl":
-        matched = torch.from_numpy(relaxed_matches(tok_t, tok_s))
+        matched = torch.from_numpy(relaxed_matches(tok_t, tok_s, proj))
         out.matched = _padded_ids(matched, rows_t, rows_s).to(device)
     if tcfg.target in LOOKAHEAD_TARGETS:
         from crossdistill.alignment.projection import build_joins
