@@ -41,7 +41,7 @@ from crossdistill.bench import library_versions
 from crossdistill.bench.quality_corpus import bytes_per_token, share_path, write_corpus
 from crossdistill.bench.quality_report import Cell, summarize
 from crossdistill.bench.quality_spec import ARCH_KEYS, QualitySpec, Scale, cell_settings
-from crossdistill.config import Config, TeacherConfig, from_dict, to_dict
+from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig, from_dict, to_dict
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
 
@@ -344,7 +344,9 @@ class Experiment:
         )  # fmt: skip
 
         cross = cell.teacher not in (None, self.same_label)
-        if cross and cell.target == "auto" and cell.name not in self.chosen:
+        # what `auto` chose is reported for the projected losses only: the others use no target
+        projected = cell.loss in DISTRIBUTION_LOSSES
+        if cross and projected and cell.target == "auto" and cell.name not in self.chosen:
             self.chosen[cell.name] = chosen_target(cfg)
 
         key: Any = seed if cell.teacher is None else (teacher_seed, seed)

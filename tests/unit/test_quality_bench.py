@@ -272,6 +272,32 @@ def test_targets_apply_to_the_projected_losses_and_the_others_run_once():
     ]
 
 
+def test_auto_is_resolved_and_reported_for_the_projected_losses_only(tmp_path, tokenizer_dir):
+    """`target: auto` means something only to a loss with a projected target: the report names
+    what it chose for `forward_kl`, and nothing for `gold`, which uses no target."""
+    from pathlib import Path
+
+    from crossdistill.bench.quality import Experiment, model_entry
+
+    teacher_tok = str(tokenizer_dir("llama2"))
+    spec = QualitySpec(
+        student_tokenizer=str(tokenizer_dir("gpt2")), teacher_tokenizers=[teacher_tok],
+        out=tmp_path, scale_name="quick", scale=SCALES["quick"], seeds=2,
+        losses=["forward_kl", "gold"],
+    )  # fmt: skip
+    exp = Experiment(spec, log=lambda _: None)
+    exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
+    exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)  # `auto` reads only its tokenizer
+    vocab = exp.vocab[spec.student_tokenizer]
+    student = model_entry(spec.scale.student, spec.student_tokenizer, vocab)
+    names = [cell.name for cell in exp.cells]
+    assert names == ["ce", "same", "cross-llama2-forward_kl", "cross-llama2-gold"]
+    for cell in exp.cells:
+        exp._student(cell, student, seed=0)
+    # GPT-2's tokens are short: Llama-2's first piece is right at 89% of this text's KD positions
+    assert exp.chosen == {"cross-llama2-forward_kl": "first_piece"}
+
+
 def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):
     argv = [
         "bench", "quality", "--student-tokenizer", str(tokenizer_dir("gpt2")),
