@@ -8,9 +8,11 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
 
 - **Near pairs and pairs between** (right at more than `FAR_PAIR_RIGHT`): `first_piece`. On the
   near pairs (Qwen3 and Phi-4-mini for a Llama-3 student, 98-99% right) it taught what
-  same-tokenizer KD teaches; on the demo's pair (88%) it beat the context and lookahead targets
-  and was level with `lookahead_prefix`, `lookahead_prefix_end` and `gold` (on Perl, at 90%,
-  `lookahead_prefix` was a little ahead: too little, on one pair, to move the threshold).
+  same-tokenizer KD teaches, and in one run on two corpora `prefix`, `lookahead_prefix_end`
+  and `gold` were level with it, not ahead; on the demo's pair (88%) it beat the context and
+  lookahead targets and was level with `lookahead_prefix`, `lookahead_prefix_end` and `gold`
+  (on Perl, at 90%, `lookahead_prefix` was a little ahead: too little, on one pair, to move
+  the threshold).
 - **Far pairs** (at most `FAR_PAIR_RIGHT`; Llama-2 and Mistral for a Llama-3 student, 74-80%):
   the first piece made the student worse than CE only; `lookahead_prefix` closed more of the
   gap than the context and lookahead targets, and `lookahead_prefix_end` (the same, with the
