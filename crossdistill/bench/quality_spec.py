@@ -129,7 +129,8 @@ SCALES: dict[str, Scale] = {
     # parameters, trained on 4x its tokens. Student lr 1e-3, not 2e-3: at 2e-3 identical runs
     # of one seed disagree by more than a KD effect (benchmarks/student_noise.py). Students
     # distil on 1 MB of the teachers' text, in epochs: on all of it, a teacher adds
-    # too little to the student's early training to compare losses by
+    # too little to the student's early training to compare losses by; on less, the gain grows
+    # only because the CE-only student overfits, and the KD students' outcomes scatter with it
     "gpu": Scale(
         teacher=dict(
             hidden_size=1024,
