@@ -217,7 +217,7 @@ class Experiment:
         self.log(f"[quality] corpus -> {self.out / 'data'}")
         self.data, train_texts = write_corpus(
             self.out, spec.corpora, train_bytes=s.train_bytes, val_bytes=s.val_bytes,
-            student_bytes=s.student_train_bytes,
+            student_bytes=s.student_train_bytes, text_field=spec.text_field, log=self.log,
         )  # fmt: skip
         self.vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}
         bpt_ref = bytes_per_token(spec.student_tokenizer, train_texts)
@@ -400,6 +400,7 @@ class Experiment:
             "student_tokenizer": self.spec.student_tokenizer,
             "teacher_tokenizers": self.spec.teacher_tokenizers,
             "corpus": self.spec.corpora or ["python standard library (the demo's corpus)"],
+            "text_field": self.spec.text_field,
             "teacher": {
                 **s.teacher,
                 "steps": s.teacher_steps,

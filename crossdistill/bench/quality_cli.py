@@ -42,6 +42,12 @@ def add_parser(subparsers) -> None:
         metavar="PATH",
         help="JSONL / text / Parquet corpus (repeatable; default: the demo's corpus)",
     )
+    p.add_argument(
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the JSONL field or Parquet/Arrow column holding the text (default: text)",
+    )
     p.add_argument("--student-tokenizer", required=True, metavar="DIR")
     p.add_argument(
         "--teacher-tokenizer",
@@ -173,6 +179,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         scale_name=args.scale,
         scale=replace(scale, **changes),
         corpora=list(args.corpus),
+        text_field=args.text_field,
         seeds=args.seeds,
         teacher_seeds=args.teacher_seeds,
         losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 from crossdistill.errors import UserError
@@ -17,23 +18,51 @@ PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a l
 VAL_EVERY = 20  # about one piece in this many is held out
 
 
-def corpus_pieces(corpora: list[str]) -> list[str]:
+def corpus_pieces(
+    corpora: list[str], text_field: str = "text", log: Callable[[str], None] | None = None
+) -> list[str]:
     """The text documents of the corpus files (JSONL, text, Parquet, ... as `crossdistill
-    train` reads them), cut into pieces of about `PIECE_BYTES` at line ends, so that a corpus of
-    a few long texts still splits into training and held-out text."""
-    from crossdistill.data.sources import open_source
+    train` reads them; `text_field`: the JSONL field or table column), cut into pieces of about
+    `PIECE_BYTES` at line ends, so that a corpus of a few long texts still splits into training
+    and held-out text. Rows that are not a document are skipped, and `log` hears how many and
+    the first one's reason; when no row is a document, that reason is the error."""
+    from crossdistill.data.documents import check_document
+    from crossdistill.data.sources import Bad, MissingField, open_source
 
     pieces: list[str] = []
+    skipped: list[tuple[str, str]] = []  # (where, reason) of rows that are not documents
+    rows = 0
     for path in corpora:
-        source = open_source(path, "auto", "text")
+        try:
+            source = open_source(path, "auto", text_field)
+        except MissingField as e:
+            raise UserError(
+                f"{e.path} has no column {e.field!r} (columns: {', '.join(e.names)}); name the "
+                "one that holds the text with --text-field"
+            ) from None
         for start, stop in source.groups():
-            for value in source.read(start, stop):
-                if isinstance(value, str) and value.strip():
-                    pieces.extend(_cut(value))
+            for row, value in enumerate(source.read(start, stop), start):
+                if value is None:  # a blank JSONL line
+                    continue
+                rows += 1
+                doc = check_document(value, "text", text_field)
+                if isinstance(doc, Bad):
+                    skipped.append((source.where(row), doc.reason))
+                else:
+                    pieces.extend(_cut(doc))
     if not pieces:
+        first = f": {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
+        more = f" (and {len(skipped) - 1} more rows)" if len(skipped) > 1 else ""
         raise UserError(
-            f"no text documents in {', '.join(corpora)}: the corpus needs text rows (a JSONL "
-            "`text` field, a Parquet `text` column or plain text files)"
+            f"no text documents in {', '.join(corpora)}{first}{more}; the corpus needs text rows "
+            f"(a JSONL field or Parquet column named {text_field!r}: name yours with "
+            "--text-field; or plain UTF-8 text files)"
+        )
+    if skipped and log is not None:
+        where, reason = skipped[0]
+        log(
+            f"[quality] skipped {len(skipped)} of {rows} corpus rows that are not text documents "
+            f"(the first: {where}: {reason})"
         )
     return pieces
 
@@ -83,13 +112,16 @@ def write_corpus(
     train_bytes: int,
     val_bytes: int,
     student_bytes: int | None = None,
+    text_field: str = "text",
+    log: Callable[[str], None] | None = None,
 ) -> tuple[Path, list[str]]:
     """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
     folder, so nothing trained on the old one is reused); returns it and the training texts.
     With `student_bytes` the students' share of the training text is written beside them
-    (`share_path`)."""
+    (`share_path`). `text_field` and `log` are `corpus_pieces`'."""
     if corpora:
-        train, val = split_pieces(corpus_pieces(corpora), train_bytes, val_bytes)
+        pieces = corpus_pieces(corpora, text_field, log)
+        train, val = split_pieces(pieces, train_bytes, val_bytes)
     else:
         from crossdistill.train.demo_assets import stdlib_corpus
 

@@ -185,6 +185,7 @@ class QualitySpec:
     scale_name: str = "cpu"
     scale: Scale = field(default_factory=lambda: SCALES["cpu"])
     corpora: list[str] = field(default_factory=list)  # empty: the demo's corpus
+    text_field: str = "text"  # the corpus's JSONL field or table column holding the text
     seeds: int = 5
     # teachers trained per tokenizer, from seeds 0, 1, ...: every KD student learns from each,
     # so the report's spread and interval hold the teachers' run-to-run noise too
@@ -236,6 +237,8 @@ class QualitySpec:
                 raise UserError(f"{flag} is a fraction in [0, 1) (0.05 for 5%), got {value}")
         if self.top_k < 1 or self.temperature <= 0:
             raise UserError("--top-k must be at least 1 and --temperature above 0")
+        if not self.text_field:
+            raise UserError("--text-field is empty: give the JSONL field or column of the text")
         for path in [self.student_tokenizer, *self.teacher_tokenizers, *self.corpora]:
             if not Path(path).exists():
                 raise UserError(f"{path} does not exist; give a local tokenizer folder or corpus")

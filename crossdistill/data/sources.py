@@ -40,6 +40,17 @@ class Bad:
     reason: str
 
 
+class MissingField(UserError):
+    """A table without the column that holds the documents; `names` are the columns it has."""
+
+    def __init__(self, path: str, field: str, names: list[str]):
+        super().__init__(
+            f"{path} has no column {field!r} (columns: {', '.join(names)}); "
+            "set data.text_field or data.messages_field"
+        )
+        self.path, self.field, self.names = path, field, names
+
+
 class Source(Protocol):
     """Random access to the rows of one corpus file (or folder)."""
 
@@ -246,10 +257,7 @@ class ParquetSource:
             raise UserError(f"cannot read {path} as Parquet: {e}") from None
         names = pq.ParquetFile(path).schema_arrow.names
         if field not in names:
-            raise UserError(
-                f"{path} has no column {field!r} (columns: {', '.join(names)}); "
-                "set data.text_field or data.messages_field"
-            )
+            raise MissingField(path, field, names)
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
@@ -307,10 +315,7 @@ class ArrowSource:
         self.num_rows = int(self.starts[-1])
         names = _arrow_table(files[0]).schema.names
         if field not in names:
-            raise UserError(
-                f"{path} has no column {field!r} (columns: {', '.join(names)}); "
-                "set data.text_field or data.messages_field"
-            )
+            raise MissingField(path, field, names)
         self._tables: dict[int, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:

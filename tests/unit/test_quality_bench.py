@@ -405,6 +405,51 @@ def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
         corpus_pieces([str(tmp_path / "empty.jsonl")])
 
 
+def test_corpus_rows_that_are_not_text_are_named_and_the_text_field_is_chosen(tmp_path):
+    """A corpus whose text is under another field (as `content` in code datasets) is refused
+    with the row and the flag that fixes it, and read with that flag; rows that are not text
+    among good ones are skipped and counted, never silently."""
+    text = "".join(f"def f{i}(x):\n    return x * {i}\n" for i in range(2_000))
+    rows = [{"content": text}, {"content": 7}, {"content": text[::-1]}]
+    path = tmp_path / "code.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserError, match=r"code.jsonl:1: missing field 'text' \(and 2 more rows\)"):
+        corpus_pieces([str(path)])
+    heard: list[str] = []
+    pieces = corpus_pieces([str(path)], text_field="content", log=heard.append)
+    assert "".join(pieces) == text + text[::-1]
+    assert heard == [
+        "[quality] skipped 1 of 3 corpus rows that are not text documents "
+        f"(the first: {path}:2: field 'content' is a int, not a string)"
+    ]
+    bad = tmp_path / "texts"
+    bad.mkdir()
+    (bad / "a.txt").write_text(text)
+    (bad / "b.bin").write_bytes(b"\xff\xfe\x00 not text")
+    heard.clear()
+    assert "".join(corpus_pieces([str(bad)], log=heard.append)) == text
+    assert heard and "b.bin: non-UTF-8 bytes at line 1" in heard[0]
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"content": [text]}), tmp_path / "code.parquet")
+    with pytest.raises(
+        UserError, match=r"no column 'text' \(columns: content\); name .* --text-field"
+    ):
+        corpus_pieces([str(tmp_path / "code.parquet")])
+    assert "".join(corpus_pieces([str(tmp_path / "code.parquet")], "content")) == text
+
+
+def test_text_field_reaches_the_spec_and_an_empty_one_is_refused(tmp_path):
+    args = build_parser().parse_args(
+        ["bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t",
+         "--text-field", "content", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert spec_from_args(args).text_field == "content"
+    with pytest.raises(UserError, match="--text-field is empty"):
+        _spec(tmp_path, text_field="").check()
+
+
 def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenizer_dir, capsys):
     """Teachers, five cells of students, JSON and plot; a rerun trains nothing; a stricter
     threshold turns the same teachers into a one-line refusal and exit status 1."""
