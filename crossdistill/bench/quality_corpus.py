@@ -9,61 +9,90 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from crossdistill.errors import UserError
+
+if TYPE_CHECKING:
+    from crossdistill.data.sources import Source
 
 PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a line end
 VAL_EVERY = 20  # about one piece in this many is held out
 
 
-def corpus_pieces(
-    corpora: list[str], text_field: str = "text", log: Callable[[str], None] | None = None
-) -> list[str]:
+class CorpusReader:
     """The text documents of the corpus files (JSONL, text, Parquet, ... as `crossdistill
     train` reads them; `text_field`: the JSONL field or table column), cut into pieces of about
     `PIECE_BYTES` at line ends, so that a corpus of a few long texts still splits into training
-    and held-out text. Rows that are not a document are skipped, and `log` hears how many and
-    the first one's reason; when no row is a document, that reason is the error."""
-    from crossdistill.data.documents import check_document
-    from crossdistill.data.sources import Bad, MissingField, open_source
+    and held-out text. Iterating yields the pieces in order, reading the files only as far as
+    the consumer takes them (a corpus far larger than the experiment is not read whole). Rows
+    that are not a document are skipped and counted (`note`); a corpus read to its end without
+    one is an error naming the first such row."""
 
-    pieces: list[str] = []
-    skipped: list[tuple[str, str]] = []  # (where, reason) of rows that are not documents
-    rows = 0
-    for path in corpora:
-        try:
-            source = open_source(path, "auto", text_field)
-        except MissingField as e:
+    def __init__(self, corpora: list[str], text_field: str = "text"):
+        from crossdistill.data.sources import MissingField, open_source
+
+        self.corpora, self.text_field = corpora, text_field
+        self.rows = 0  # rows read, blank JSONL lines left out
+        self.skipped: list[tuple[str, str]] = []  # (where, reason) of rows that are not text
+        self.sources: list[Source] = []
+        for path in corpora:
+            try:
+                self.sources.append(open_source(path, "auto", text_field))
+            except MissingField as e:
+                raise UserError(
+                    f"{e.path} has no column {e.field!r} (columns: {', '.join(e.names)}); name "
+                    "the one that holds the text with --text-field"
+                ) from None
+
+    def __iter__(self) -> Iterator[str]:
+        from crossdistill.data.documents import check_document
+        from crossdistill.data.sources import Bad
+
+        found = False
+        for source in self.sources:
+            for start, stop in source.groups():
+                for row, value in enumerate(source.read(start, stop), start):
+                    if value is None:  # a blank JSONL line
+                        continue
+                    self.rows += 1
+                    doc = check_document(value, "text", self.text_field)
+                    if isinstance(doc, Bad):
+                        self.skipped.append((source.where(row), doc.reason))
+                        continue
+                    for piece in _cut(doc):
+                        found = True
+                        yield piece
+        if not found:
+            first = f": {self.skipped[0][0]}: {self.skipped[0][1]}" if self.skipped else ""
+            more = f" (and {len(self.skipped) - 1} more rows)" if len(self.skipped) > 1 else ""
             raise UserError(
-                f"{e.path} has no column {e.field!r} (columns: {', '.join(e.names)}); name the "
-                "one that holds the text with --text-field"
-            ) from None
-        for start, stop in source.groups():
-            for row, value in enumerate(source.read(start, stop), start):
-                if value is None:  # a blank JSONL line
-                    continue
-                rows += 1
-                doc = check_document(value, "text", text_field)
-                if isinstance(doc, Bad):
-                    skipped.append((source.where(row), doc.reason))
-                else:
-                    pieces.extend(_cut(doc))
-    if not pieces:
-        first = f": {skipped[0][0]}: {skipped[0][1]}" if skipped else ""
-        more = f" (and {len(skipped) - 1} more rows)" if len(skipped) > 1 else ""
-        raise UserError(
-            f"no text documents in {', '.join(corpora)}{first}{more}; the corpus needs text rows "
-            f"(a JSONL field or Parquet column named {text_field!r}: name yours with "
-            "--text-field; or plain UTF-8 text files)"
+                f"no text documents in {', '.join(self.corpora)}{first}{more}; the corpus needs "
+                f"text rows (a JSONL field or Parquet column named {self.text_field!r}: name "
+                "yours with --text-field; or plain UTF-8 text files)"
+            )
+
+    def note(self) -> str | None:
+        """How many of the rows read were skipped, and why the first was; None when none."""
+        if not self.skipped:
+            return None
+        where, reason = self.skipped[0]
+        return (
+            f"[quality] skipped {len(self.skipped)} of {self.rows} corpus rows read that are not "
+            f"text documents (the first: {where}: {reason})"
         )
-    if skipped and log is not None:
-        where, reason = skipped[0]
-        log(
-            f"[quality] skipped {len(skipped)} of {rows} corpus rows that are not text documents "
-            f"(the first: {where}: {reason})"
-        )
+
+
+def corpus_pieces(
+    corpora: list[str], text_field: str = "text", log: Callable[[str], None] | None = None
+) -> list[str]:
+    """Every piece of the corpus (`CorpusReader`); `log` hears how many rows were skipped."""
+    reader = CorpusReader(corpora, text_field)
+    pieces = list(reader)
+    if log is not None and (note := reader.note()) is not None:
+        log(note)
     return pieces
 
 
@@ -81,14 +110,18 @@ def _cut(text: str) -> list[str]:
 
 
 def split_pieces(
-    pieces: list[str], train_bytes: int, val_bytes: int
+    pieces: Iterable[str], train_bytes: int, val_bytes: int
 ) -> tuple[list[str], list[str]]:
     """Held-out pieces chosen by a hash of their text (no seed: the same split for every run),
-    up to `val_bytes`; training pieces up to `train_bytes`."""
+    up to `val_bytes`; training pieces up to `train_bytes`. Takes pieces only until both are
+    full."""
     train: list[str] = []
     val: list[str] = []
-    n_train = n_val = 0
+    n_train = n_val = seen = 0
     for piece in pieces:
+        if n_train >= train_bytes and n_val >= val_bytes:
+            break
+        seen += 1
         size = len(piece.encode())
         held = int(hashlib.sha256(piece.encode()).hexdigest()[:8], 16) % VAL_EVERY == 0
         if held and n_val < val_bytes:
@@ -99,7 +132,7 @@ def split_pieces(
             n_train += size
     if not val or not train:
         raise UserError(
-            f"the corpus ({len(pieces)} pieces of up to {PIECE_BYTES} bytes) is too small to hold "
+            f"the corpus ({seen} pieces of up to {PIECE_BYTES} bytes) is too small to hold "
             "out text for scoring; give a corpus of at least a few hundred kilobytes"
         )
     return train, val
@@ -118,10 +151,12 @@ def write_corpus(
     """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
     folder, so nothing trained on the old one is reused); returns it and the training texts.
     With `student_bytes` the students' share of the training text is written beside them
-    (`share_path`). `text_field` and `log` are `corpus_pieces`'."""
+    (`share_path`). `text_field` is `CorpusReader`'s; `log` hears how many rows it skipped."""
     if corpora:
-        pieces = corpus_pieces(corpora, text_field, log)
-        train, val = split_pieces(pieces, train_bytes, val_bytes)
+        reader = CorpusReader(corpora, text_field)
+        train, val = split_pieces(reader, train_bytes, val_bytes)
+        if log is not None and (note := reader.note()) is not None:
+            log(note)
     else:
         from crossdistill.train.demo_assets import stdlib_corpus
 

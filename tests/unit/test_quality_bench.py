@@ -17,6 +17,7 @@ import torch
 from crossdistill.bench.quality_cli import spec_from_args
 from crossdistill.bench.quality_corpus import (
     PIECE_BYTES,
+    CorpusReader,
     bytes_per_token,
     corpus_pieces,
     split_pieces,
@@ -419,7 +420,7 @@ def test_corpus_rows_that_are_not_text_are_named_and_the_text_field_is_chosen(tm
     pieces = corpus_pieces([str(path)], text_field="content", log=heard.append)
     assert "".join(pieces) == text + text[::-1]
     assert heard == [
-        "[quality] skipped 1 of 3 corpus rows that are not text documents "
+        "[quality] skipped 1 of 3 corpus rows read that are not text documents "
         f"(the first: {path}:2: field 'content' is a int, not a string)"
     ]
     bad = tmp_path / "texts"
@@ -438,6 +439,21 @@ def test_corpus_rows_that_are_not_text_are_named_and_the_text_field_is_chosen(tm
     ):
         corpus_pieces([str(tmp_path / "code.parquet")])
     assert "".join(corpus_pieces([str(tmp_path / "code.parquet")], "content")) == text
+
+
+def test_a_corpus_is_read_only_as_far_as_the_split_takes_it(tmp_path):
+    """The split of a streamed corpus is the split of all of it, and reading stops once the
+    training and held-out text are full: a corpus far larger than the experiment is not read
+    whole."""
+    docs = [
+        f"# file {i}\n" + f"value_{i} = {i} * 2  # a line of code\n" * 400 for i in range(2_000)
+    ]
+    path = tmp_path / "big.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    everything = corpus_pieces([str(path)])
+    reader = CorpusReader([str(path)])
+    assert split_pieces(reader, 200_000, 50_000) == split_pieces(everything, 200_000, 50_000)
+    assert 0 < reader.rows < len(docs) // 10  # about 1 MB of the 31 MB read
 
 
 def test_text_field_reaches_the_spec_and_an_empty_one_is_refused(tmp_path):
