@@ -44,6 +44,8 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--text-field",
+        "--field",
+        dest="text_field",
         default="text",
         metavar="NAME",
         help="the JSONL field or Parquet/Arrow column holding the text (default: text)",

@@ -48,7 +48,14 @@ def add_align_parser(subparsers) -> None:
         choices=["auto", *FORMATS],
         help="corpus format of --input (default: from the file name)",
     )
-    p.add_argument("--field", default="text", help="the text field or column (default: text)")
+    p.add_argument(
+        "--text-field",
+        "--field",
+        dest="field",
+        default="text",
+        metavar="NAME",
+        help="the JSONL field or Parquet/Arrow column holding the text (default: text)",
+    )
     p.add_argument(
         "--workers", type=int, default=0, help="processes for --input (default: all cores)"
     )

@@ -462,6 +462,15 @@ def test_text_field_reaches_the_spec_and_an_empty_one_is_refused(tmp_path):
          "--text-field", "content", "--out", str(tmp_path)]
     )  # fmt: skip
     assert spec_from_args(args).text_field == "content"
+    for command in (
+        ["bench", "quality", "--student-tokenizer", "s", "--teacher-tokenizer", "t"],
+        ["audit", "s", "t"],
+        ["align", "--student-tokenizer", "s", "--teacher-tokenizer", "t", "--input", "x"],
+    ):
+        # one name for the text column on every command that reads a corpus, `--field` kept
+        short = build_parser().parse_args([*command, "--field", "body"])
+        long = build_parser().parse_args([*command, "--text-field", "body"])
+        assert vars(short) == vars(long) and "body" in vars(long).values()
     with pytest.raises(UserError, match="--text-field is empty"):
         _spec(tmp_path, text_field="").check()
 
