@@ -17,6 +17,7 @@ from crossdistill.bench.quality_corpus import PIECE_BYTES
 from crossdistill.bench.quality_report import plot_report, print_table
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size
 from crossdistill.config import LOSSES, TARGETS, TeacherConfig
+from crossdistill.data.cli import add_text_field_arg
 from crossdistill.errors import UserError
 
 EXAMPLES = """examples:
@@ -42,14 +43,7 @@ def add_parser(subparsers) -> None:
         metavar="PATH",
         help="JSONL / text / Parquet corpus (repeatable; default: the demo's corpus)",
     )
-    p.add_argument(
-        "--text-field",
-        "--field",
-        dest="text_field",
-        default="text",
-        metavar="NAME",
-        help="the JSONL field or Parquet/Arrow column holding the text (default: text)",
-    )
+    add_text_field_arg(p, "text_field")
     p.add_argument("--student-tokenizer", required=True, metavar="DIR")
     p.add_argument(
         "--teacher-tokenizer",

@@ -28,6 +28,19 @@ student tokens [s0, s1) and teacher tokens [t0, t1) cover the same bytes.
 """
 
 
+def add_text_field_arg(p: argparse.ArgumentParser, dest: str) -> None:
+    """`--text-field NAME` (or `--field`): the JSONL field or table column holding the text, one
+    name on every command that reads a corpus."""
+    p.add_argument(
+        "--text-field",
+        "--field",
+        dest=dest,
+        default="text",
+        metavar="NAME",
+        help="the JSONL field or Parquet/Arrow column holding the text (default: text)",
+    )
+
+
 def add_align_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "align",
@@ -48,14 +61,7 @@ def add_align_parser(subparsers) -> None:
         choices=["auto", *FORMATS],
         help="corpus format of --input (default: from the file name)",
     )
-    p.add_argument(
-        "--text-field",
-        "--field",
-        dest="field",
-        default="text",
-        metavar="NAME",
-        help="the JSONL field or Parquet/Arrow column holding the text (default: text)",
-    )
+    add_text_field_arg(p, "field")
     p.add_argument(
         "--workers", type=int, default=0, help="processes for --input (default: all cores)"
     )

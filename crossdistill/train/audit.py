@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from crossdistill.data.cli import add_text_field_arg
 from crossdistill.errors import UserError
 from crossdistill.train.auto_target import (
     FAR_PAIR_RIGHT,
@@ -344,14 +345,7 @@ def add_audit_parser(subparsers) -> None:
         "--corpus", action="append", default=[], help="a corpus file (repeatable; default: "
         "this machine's Python standard library, the demo's corpus)"
     )  # fmt: skip
-    p.add_argument(
-        "--text-field",
-        "--field",
-        dest="field",
-        default="text",
-        metavar="NAME",
-        help="the JSONL field or Parquet/Arrow column holding the text (default: text)",
-    )
+    add_text_field_arg(p, "field")
     p.add_argument("--bytes", type=int, default=2_000_000, help="text to read (UTF-8 bytes)")
     p.add_argument("--teacher-model", help="a teacher checkpoint folder: measure its mass")
     p.add_argument("--model-tokens", type=int, default=2048, help="teacher tokens to run")
