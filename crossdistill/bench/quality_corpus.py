@@ -42,15 +42,13 @@ class CorpusReader:
             try:
                 self.sources.append(open_source(path, "auto", text_field))
             except MissingField as e:
-                raise UserError(
-                    f"{e.path} has no column {e.field!r} (columns: {', '.join(e.names)}); name "
-                    "the one that holds the text with --text-field"
-                ) from None
+                raise e.for_command_line() from None
 
     def __iter__(self) -> Iterator[str]:
         from crossdistill.data.documents import check_document
         from crossdistill.data.sources import Bad
 
+        self.rows, self.skipped = 0, []
         found = False
         for source in self.sources:
             for start, stop in source.groups():

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from crossdistill.alignment.cli import add_tokenizer_args
-from crossdistill.data.sources import FORMATS
+from crossdistill.data.sources import FORMATS, MissingField
 from crossdistill.errors import UserError
 
 ALIGN_EXAMPLES = """examples:
@@ -91,9 +91,13 @@ def run_align(args: argparse.Namespace) -> int:
     if args.text is not None:
         _print_alignment(pipeline, args.text)
         return 0
-    result = process_file(
-        pipeline, args.input, args.output, workers=args.workers, fmt=args.format, field=args.field
-    )
+    try:
+        result = process_file(
+            pipeline, args.input, args.output, workers=args.workers, fmt=args.format,
+            field=args.field,
+        )  # fmt: skip
+    except MissingField as e:
+        raise e.for_command_line() from None
     print(
         f"aligned {result['lines']} texts in {result['seconds']:.2f} s "
         f"with {result['workers']} workers -> {args.output}",

@@ -50,6 +50,16 @@ class MissingField(UserError):
         )
         self.path, self.field, self.names = path, field, names
 
+    def __reduce__(self):  # pickled whole: a process pool hands it back to the parent
+        return MissingField, (self.path, self.field, self.names)
+
+    def for_command_line(self) -> UserError:
+        """The same problem, with the fix a command that reads a corpus takes (`--text-field`)."""
+        return UserError(
+            f"{self.path} has no column {self.field!r} (columns: {', '.join(self.names)}); name "
+            "the one that holds the text with --text-field"
+        )
+
 
 class Source(Protocol):
     """Random access to the rows of one corpus file (or folder)."""

@@ -56,11 +56,14 @@ def read_texts(paths: list[str], limit: int, field: str = "text") -> list[str]:
 
         texts, _ = stdlib_corpus(max_files=100_000, seed=0, train_bytes=limit, val_bytes=1)
     else:
-        from crossdistill.data.sources import open_source
+        from crossdistill.data.sources import MissingField, open_source
 
         texts = []
         for path in paths:
-            source = open_source(path, "auto", field)
+            try:
+                source = open_source(path, "auto", field)
+            except MissingField as e:
+                raise e.for_command_line() from None
             for lo in range(0, source.num_rows, 256):
                 for value in source.read(lo, min(lo + 256, source.num_rows)):
                     if isinstance(value, str) and value.strip():

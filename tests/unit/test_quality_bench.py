@@ -441,6 +441,27 @@ def test_corpus_rows_that_are_not_text_are_named_and_the_text_field_is_chosen(tm
     assert "".join(corpus_pieces([str(tmp_path / "code.parquet")], "content")) == text
 
 
+def test_every_command_that_reads_a_corpus_names_the_text_field_flag(
+    tmp_path, tokenizer_dir, capsys
+):
+    """A table without the text column gets the command line's fix, not the config's."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    table = tmp_path / "code.parquet"
+    pq.write_table(pa.table({"content": ["def f(x):\n    return x\n" * 50]}), table)
+    gpt2, llama2 = str(tokenizer_dir("gpt2")), str(tokenizer_dir("llama2"))
+    for command in (
+        ["audit", gpt2, llama2, "--corpus", str(table)],
+        ["align", "--student-tokenizer", gpt2, "--teacher-tokenizer", llama2, "--input",
+         str(table), "--output", str(tmp_path / "aligned.jsonl")],
+    ):  # fmt: skip
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert "no column 'text' (columns: content); name the one that holds the text with " in err
+        assert "--text-field" in err and "data.text_field" not in err, err
+
+
 def test_a_corpus_is_read_only_as_far_as_the_split_takes_it(tmp_path):
     """The split of a streamed corpus is the split of all of it, and reading stops once the
     training and held-out text are full: a corpus far larger than the experiment is not read
