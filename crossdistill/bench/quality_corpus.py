@@ -1,8 +1,9 @@
 """The corpus of `crossdistill bench quality`: documents cut into pieces, split once into
 training and held-out text by a hash of each piece, written as JSONL in a folder named by its
 content; the students' share of the training text spread through it; a tokenizer's bytes per
-token on it. Reads files with `data.sources`, counts tokens with `models`, and takes the demo's
-corpus from `train` when none is given."""
+token on it. The corpus is read only as far as the split needs (`CorpusReader`). Reads files
+with `data.sources`, counts tokens with `models`, and takes the demo's corpus from `train` when
+none is given."""
 
 from __future__ import annotations
 

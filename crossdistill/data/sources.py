@@ -41,24 +41,23 @@ class Bad:
 
 
 class MissingField(UserError):
-    """A table without the column that holds the documents; `names` are the columns it has."""
+    """A table without the column that holds the documents; `names` are the columns it has,
+    `fix` what to change (the config's key; a command line names its flag instead)."""
 
-    def __init__(self, path: str, field: str, names: list[str]):
-        super().__init__(
-            f"{path} has no column {field!r} (columns: {', '.join(names)}); "
-            "set data.text_field or data.messages_field"
-        )
-        self.path, self.field, self.names = path, field, names
+    def __init__(
+        self, path: str, field: str, names: list[str],
+        fix: str = "set data.text_field or data.messages_field",
+    ):  # fmt: skip
+        super().__init__(f"{path} has no column {field!r} (columns: {', '.join(names)}); {fix}")
+        self.path, self.field, self.names, self.fix = path, field, names, fix
 
     def __reduce__(self):  # pickled whole: a process pool hands it back to the parent
-        return MissingField, (self.path, self.field, self.names)
+        return MissingField, (self.path, self.field, self.names, self.fix)
 
-    def for_command_line(self) -> UserError:
+    def for_command_line(self) -> MissingField:
         """The same problem, with the fix a command that reads a corpus takes (`--text-field`)."""
-        return UserError(
-            f"{self.path} has no column {self.field!r} (columns: {', '.join(self.names)}); name "
-            "the one that holds the text with --text-field"
-        )
+        fix = "name the one that holds the text with --text-field"
+        return MissingField(self.path, self.field, self.names, fix)
 
 
 class Source(Protocol):
