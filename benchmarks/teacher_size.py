@@ -53,7 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--teacher-steps", type=int, nargs="+", default=[0], help="0: the scale's")
     p.add_argument("--teacher-lr", type=float, default=None)
+    p.add_argument(
+        "--teacher-seeds", type=int, default=1, help="teachers per tokenizer, from seeds 0, 1, ..."
+    )
     p.add_argument("--device", default=None)
+    p.add_argument(
+        "--student-tokenizer-only",
+        action="store_true",
+        help="train only the teachers on the student's tokenizer (with --teacher-seeds: how far "
+        "one tokenizer's teachers end apart); --teacher-tokenizer is still needed for the spec",
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("teacher-size-out"))
     args = p.parse_args(argv)
@@ -75,13 +84,18 @@ def main(argv: list[str] | None = None) -> int:
             )
             spec = QualitySpec(
                 args.student_tokenizer, args.teacher_tokenizer, args.out, args.scale, scale,
-                args.corpus, jobs=args.jobs,
+                args.corpus, teacher_seeds=args.teacher_seeds, jobs=args.jobs,
             )  # fmt: skip
             experiments[(size, scale.teacher_steps)] = Experiment(spec, log=lambda line: None)
-    jobs = {(key, job.cell): job for key, e in experiments.items() for job in e.teacher_jobs()}
-    for (key, cell), bpb in train_many({k: j.cfg for k, j in jobs.items()}, args.jobs):
-        jobs[(key, cell)].done(bpb)
-        row = {"size": key[0], "steps": key[1], "teacher": cell, "bpb": bpb}
+    jobs = {
+        (key, job.cell, job.teacher_seed): job
+        for key, e in experiments.items()
+        for job in e.teacher_jobs()
+        if not args.student_tokenizer_only or job.cell == f"teacher-{e.same_label}"
+    }
+    for (key, cell, seed), bpb in train_many({k: j.cfg for k, j in jobs.items()}, args.jobs):
+        jobs[(key, cell, seed)].done(bpb)
+        row = {"size": key[0], "steps": key[1], "teacher": cell, "seed": seed or 0, "bpb": bpb}
         row["seconds"] = round(time.perf_counter() - start, 1)
         print(json.dumps(row), file=sys.stderr, flush=True)
         with open(log, "a", encoding="utf-8") as f:
@@ -93,9 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         same = e.teachers[e.same_label]
         entry = {"size": size, "shape": shape, "steps": steps, "teachers": {}}
         for path, label in [(e.spec.student_tokenizer, e.same_label), *e.labels.items()]:
+            if label not in e.teachers:
+                continue  # not trained (--student-tokenizer-only)
             body, embedding = parameters(shape, path, e.vocab[path])
             entry["teachers"][label] = {
                 "bpb": e.teachers[label],
+                "bpb_by_seed": e.teacher_seed_bpb[label],
                 "vs_same": e.teachers[label] / same - 1,
                 "body_parameters": body,
                 "embedding_parameters": embedding,

@@ -26,7 +26,7 @@ from crossdistill.data.schedule import EmptyStream, Plan
 from crossdistill.data.stream import StreamSpec, WorkerState, batch_stream, empty_batch
 from crossdistill.errors import UserError
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: training streams shuffle documents one row a block (`schedule`)
 # Workers start from a fresh interpreter, never forked from the trainer: a forked worker holds a
 # copy of the trainer's whole heap, and when its garbage collector frees a CUDA tensor it finds
 # there (garbage of the parent's, not yet collected at the fork) the worker aborts with "CUDA
@@ -181,7 +181,9 @@ class DistillLoader:
             )
         if state.get("version") != STATE_VERSION:
             raise UserError(
-                f"data loader state version {state.get('version')} is not {STATE_VERSION}"
+                f"data loader state version {state.get('version')} is not {STATE_VERSION}: the "
+                "checkpoint was written by another crossdistill version, whose batch order "
+                "differs; resume it with the version that wrote it, or start a new run"
             )
         mine, theirs = self._identity(), state.get("identity", {})
         changed = [k for k in mine if theirs.get(k) != mine[k]]

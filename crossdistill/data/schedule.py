@@ -1,11 +1,17 @@
 """Which rows each reader process sees, in what order: splitting, shuffling, sharding.
 
-The corpus is cut into blocks of rows that are cheap to read together (a slice of a JSONL file
-or Arrow table, a Parquet row group). Each epoch the blocks are permuted with `(seed, epoch)`
-and dealt round-robin to the *consumers* (`rank * num_workers + worker`), so ranks and workers
-see disjoint parts of the stream; inside a block the rows are permuted with
-`(seed, epoch, block)`. Nothing is stored per row: the train/validation split is a hash of
-`(seed, source, row)` compared with `val_fraction`, so a 100 GB corpus needs no row list.
+The corpus is cut into blocks of rows read together. Each epoch the blocks are permuted with
+`(seed, epoch)` and dealt round-robin to the *consumers* (`rank * num_workers + worker`), so
+ranks and workers see disjoint parts of the stream; inside a block the rows are permuted with
+`(seed, epoch, block)`. A shuffled stream (training) takes blocks of one row while the block
+table stays small (`MAX_BLOCKS`), so documents are shuffled across the whole corpus: with
+large blocks a consumer reads long runs of neighbouring rows, and a corpus stored in some order
+(by language, source, date) trains for hundreds of steps on one region of it, which makes the
+model depend on the seed far more than on anything else. Past `MAX_BLOCKS` rows, blocks grow.
+A Parquet row group stays one block (reading any of its rows decodes all of it), and an
+unshuffled stream (validation) reads blocks of up to `MAX_BLOCK_ROWS` in order. Nothing is
+stored per row: the train/validation split is a hash of `(seed, source, row)` compared with
+`val_fraction`, so a 100 GB corpus needs no row list.
 
 A position in a consumer's stream is a `Cursor`; positions only move forward, so the stream
 from any cursor is the same as the uninterrupted stream from that point on.
@@ -23,7 +29,8 @@ import numpy as np
 from crossdistill.data.sources import ParquetSource, Source
 
 MAX_BLOCK_ROWS = 1024
-_BLOCKS_PER_CONSUMER = 4  # enough blocks that every consumer gets work on small corpora
+MAX_BLOCKS = 1 << 18  # a shuffled stream's block table: 6 MiB, pickled into every worker
+_BLOCKS_PER_CONSUMER = 4  # enough Parquet blocks that every consumer gets work
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -65,7 +72,7 @@ class Plan:
         self.seed = int(seed) % (1 << 63)  # numpy seeds must be non-negative
         self.num_consumers = int(num_consumers)
         self.shuffle = shuffle
-        self.blocks = _make_blocks(sources, num_consumers)
+        self.blocks = _make_blocks(sources, num_consumers, shuffle)
 
     def block_order(self, epoch: int, consumer: int) -> np.ndarray:
         """Indices into `blocks` that `consumer` reads in `epoch`, in reading order."""
@@ -84,7 +91,7 @@ class Plan:
         if self.split != "all":
             is_val = _unit_hash(self.seed, src, rows) < self.val_fraction
             rows = rows[is_val] if self.split == "validation" else rows[~is_val]
-        if self.shuffle:
+        if self.shuffle and rows.size > 1:
             rows = np.random.default_rng([self.seed, epoch, block_id]).permutation(rows)
         return rows
 
@@ -145,23 +152,28 @@ def _read_rows(source: Source, rows: np.ndarray) -> list[Any]:
     return [got[r] for r in rows.tolist()]
 
 
-def _make_blocks(sources: list[Source], num_consumers: int) -> np.ndarray:
+def _make_blocks(sources: list[Source], num_consumers: int, shuffle: bool) -> np.ndarray:
+    """`[N, 3]` `(source, start, stop)`: one row a block for a shuffled stream up to
+    `MAX_BLOCKS` rows, `MAX_BLOCK_ROWS` for an unshuffled one; Parquet row groups whole while
+    there are enough of them to go round the consumers."""
     total = sum(s.num_rows for s in sources)
     want = max(1, _BLOCKS_PER_CONSUMER * num_consumers)
-    block_rows = min(MAX_BLOCK_ROWS, max(1, math.ceil(total / want)))
-    out = []
+    if shuffle:
+        block_rows = min(MAX_BLOCK_ROWS, max(1, math.ceil(total / MAX_BLOCKS)))
+    else:
+        block_rows = min(MAX_BLOCK_ROWS, max(1, math.ceil(total / want)))
+    parts = []
     for i, src in enumerate(sources):
         groups = src.groups()
         for start, stop in groups:
             if isinstance(src, ParquetSource):
-                # Reading any row of a row group decodes all of it: keep groups whole unless
-                # there are too few of them to go round.
-                parts = max(1, math.ceil(want / max(1, len(groups))))
-                step = max(1, math.ceil((stop - start) / parts))
+                step = max(1, math.ceil((stop - start) / math.ceil(want / max(1, len(groups)))))
             else:
                 step = block_rows
-            out.extend((i, a, min(stop, a + step)) for a in range(start, stop, step))
-    return np.asarray(out, dtype=np.int64).reshape(-1, 3)
+            starts = np.arange(start, stop, step, dtype=np.int64)
+            ends = np.minimum(starts + step, stop)
+            parts.append(np.stack([np.full_like(starts, i), starts, ends], axis=1))
+    return np.concatenate(parts) if parts else np.zeros((0, 3), dtype=np.int64)
 
 
 def _unit_hash(seed: int, source: int, rows: np.ndarray) -> np.ndarray:

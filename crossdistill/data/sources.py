@@ -8,6 +8,12 @@
 | `arrow`   | one table row               | Arrow IPC file or stream, memory-mapped                    |
 | `hf_disk` | one table row               | the arrow files of a `datasets` `save_to_disk` folder, mmap |
 
+A file compressed with gzip, bzip2, xz or zstandard (`.gz`, `.bz2`, `.xz`, `.zst`) is read by
+the format of its name without that suffix (`docs.jsonl.gz` is JSONL). A compressed table or
+JSONL file is decompressed once into the cache (`$CROSSDISTILL_CACHE`, keyed by path, size and
+mtime), since rows are read at random; a compressed text file is one document, decompressed
+when read.
+
 `read(start, stop)` returns one entry per row: the raw field value, `None` for a blank JSONL line
 (skipped silently), or a `Bad` naming what is wrong. Turning values into documents (type and
 emptiness checks) is `documents.check_document`'s job, so every format gets the same policy.
@@ -29,6 +35,7 @@ from crossdistill.cache import cache_path, write_atomic
 from crossdistill.errors import UserError
 
 FORMATS = ("text", "jsonl", "parquet", "arrow", "hf_disk")
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 _SCAN_BYTES = 1 << 26  # newline scan window: 64 MiB of the mapped file at a time
 
@@ -92,6 +99,9 @@ def detect_format(path: str) -> str:
             return "hf_disk"
         return "text"
     name = p.name.lower()
+    suffix = Path(name).suffix
+    if suffix in COMPRESSIONS:
+        name = name[: -len(suffix)]
     if name.endswith((".jsonl", ".json", ".ndjson")):
         return "jsonl"
     if name.endswith((".parquet", ".pq")):
@@ -108,13 +118,98 @@ def open_source(path: str, fmt: str, field: str) -> Source:
     fmt = detect_format(path) if fmt == "auto" else fmt
     if fmt == "text":
         return TextSource(path)
+    if fmt not in ("jsonl", "parquet", "arrow", "hf_disk"):
+        raise UserError(f"unknown data format {fmt!r}; use one of auto, {', '.join(FORMATS)}")
+    name, path = path, decompressed(path) if compression(path) else path
     if fmt == "jsonl":
-        return JsonlSource(path, field)
+        return JsonlSource(path, field, name)
     if fmt == "parquet":
-        return ParquetSource(path, field)
-    if fmt in ("arrow", "hf_disk"):
-        return ArrowSource(path, field)
-    raise UserError(f"unknown data format {fmt!r}; use one of auto, {', '.join(FORMATS)}")
+        return ParquetSource(path, field, name)
+    return ArrowSource(path, field, name)
+
+
+def compression(path: str) -> str | None:
+    """The compression of a file named for one (`COMPRESSIONS`), or None."""
+    p = Path(path)
+    return COMPRESSIONS.get(p.suffix.lower()) if p.is_file() else None
+
+
+def _open_compressed(path: str) -> Any:
+    """A binary reader of the decompressed bytes of `path`."""
+    kind = compression(path)
+    if kind == "gzip":
+        import gzip
+
+        return gzip.open(path, "rb")
+    if kind == "bzip2":
+        import bz2
+
+        return bz2.open(path, "rb")
+    if kind == "xz":
+        import lzma
+
+        return lzma.open(path, "rb")
+    try:
+        import zstandard
+    except ImportError:
+        raise UserError(
+            f"{path} is zstandard-compressed: pip install zstandard, or decompress it first "
+            f"(zstd -d {path})"
+        ) from None
+    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)
+
+
+def _decompress_errors() -> tuple[type[BaseException], ...]:
+    import lzma
+    import zlib
+
+    errors: tuple[type[BaseException], ...] = (OSError, EOFError, zlib.error, lzma.LZMAError)
+    try:
+        import zstandard
+
+        errors += (zstandard.ZstdError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def decompressed(path: str) -> str:
+    """The path of a decompressed copy of `path` in the cache, written on first use: one
+    process writes it while the others (ranks, workers) wait on a lock."""
+    import fcntl
+
+    plain = Path(path).name[: -len(Path(path).suffix)]
+    cached = cache_path("decompressed", f"{_file_key(path)}-{plain}")
+    if cached.is_file():
+        return str(cached)
+    failure: list[str] = []
+
+    def write(tmp: Path) -> None:
+        with _open_compressed(path) as src, open(tmp, "wb") as dst:
+            while True:
+                try:
+                    chunk = src.read(1 << 22)
+                except _decompress_errors() as e:
+                    failure.append(str(e))
+                    raise OSError(e) from e  # `write_atomic` removes the partial copy
+                if not chunk:
+                    return
+                dst.write(chunk)
+
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with open(cached.parent / f".{cached.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            if cached.is_file() or write_atomic(cached, write):
+                return str(cached)
+    except OSError:
+        pass
+    if failure:
+        raise UserError(f"cannot decompress {path} ({compression(path)}): {failure[0]}")
+    raise UserError(
+        f"cannot write a decompressed copy of {path} under {cached.parent}: set "
+        "CROSSDISTILL_CACHE to a writable folder with room for it, or decompress it yourself"
+    )
 
 
 class TextSource:
@@ -142,7 +237,15 @@ class TextSource:
     def read(self, start: int, stop: int) -> list[Any]:
         out: list[Any] = []
         for f in self.files[start:stop]:
-            data = Path(f).read_bytes()
+            if compression(f):
+                try:
+                    with _open_compressed(f) as packed:
+                        data = packed.read()
+                except _decompress_errors() as e:
+                    out.append(Bad(f"cannot decompress it ({compression(f)}): {e}"))
+                    continue
+            else:
+                data = Path(f).read_bytes()
             try:
                 out.append(data.decode("utf-8"))
             except UnicodeDecodeError as e:
@@ -159,8 +262,9 @@ class JsonlSource:
     `offsets[-1]` the file size. The index is built once by a vectorised newline scan and cached
     (see `jsonl_index`); workers map it read-only, so RAM holds only what is being read."""
 
-    def __init__(self, path: str, field: str):
-        self.path = path
+    def __init__(self, path: str, field: str, name: str | None = None):
+        self.path = path  # what is read; `name` (default: the path) is what messages show
+        self.name = name or path
         self.field = field
         self.offsets = jsonl_index(path)
         self.num_rows = len(self.offsets) - 1
@@ -211,15 +315,14 @@ class JsonlSource:
         return obj[self.field]
 
     def where(self, row: int) -> str:
-        return f"{self.path}:{row + 1}"
+        return f"{self.name}:{row + 1}"
 
 
 def jsonl_index(path: str) -> np.ndarray:
     """Line-start offsets of a JSONL file, int64 `[num_lines + 1]`, memory-mapped from a cache
     file (`$CROSSDISTILL_CACHE`, default `~/.cache/crossdistill`) keyed by path, size and mtime."""
     st = os.stat(path)
-    key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode())
-    cached = cache_path("jsonl-index", f"{key.hexdigest()[:32]}.npy")
+    cached = cache_path("jsonl-index", f"{_file_key(path)}.npy")
     if cached.is_file():
         try:
             return np.load(cached, mmap_mode="r")
@@ -234,6 +337,13 @@ def jsonl_index(path: str) -> np.ndarray:
     if write_atomic(cached, write):
         return np.load(cached, mmap_mode="r")
     return offsets  # read-only home: keep the index in memory
+
+
+def _file_key(path: str) -> str:
+    """A cache key of a file's path, size and modification time."""
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
 def _scan_line_starts(path: str, size: int) -> np.ndarray:
@@ -255,18 +365,19 @@ def _scan_line_starts(path: str, size: int) -> np.ndarray:
 class ParquetSource:
     """Parquet read one row group at a time (only `field`); the last group read stays cached."""
 
-    def __init__(self, path: str, field: str):
+    def __init__(self, path: str, field: str, name: str | None = None):
         import pyarrow.parquet as pq
 
         self.path = path
+        self.name = name or path
         self.field = field
         try:
             meta = pq.ParquetFile(path).metadata
         except Exception as e:  # pyarrow raises several types for a damaged file
-            raise UserError(f"cannot read {path} as Parquet: {e}") from None
+            raise UserError(f"cannot read {self.name} as Parquet: {e}") from None
         names = pq.ParquetFile(path).schema_arrow.names
         if field not in names:
-            raise MissingField(path, field, names)
+            raise MissingField(self.name, field, names)
         sizes = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
@@ -300,14 +411,14 @@ class ParquetSource:
         return out
 
     def where(self, row: int) -> str:
-        return f"{self.path} row {row}"
+        return f"{self.name} row {row}"
 
 
 class ArrowSource:
     """An Arrow IPC file or stream, or the arrow files of a `save_to_disk` folder, memory-mapped:
     slicing a row range touches only the pages of that range."""
 
-    def __init__(self, path: str, field: str):
+    def __init__(self, path: str, field: str, name: str | None = None):
         p = Path(path)
         if p.is_dir():
             state = json.loads((p / "state.json").read_text())
@@ -317,14 +428,15 @@ class ArrowSource:
         else:
             files = [str(p)]
         self.path = path
+        self.name = name or path
         self.field = field
         self.files = files
-        sizes = [_arrow_table(f).num_rows for f in files]
+        sizes = [_arrow_table(f, self.name if name else f).num_rows for f in files]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_rows = int(self.starts[-1])
         names = _arrow_table(files[0]).schema.names
         if field not in names:
-            raise MissingField(path, field, names)
+            raise MissingField(self.name, field, names)
         self._tables: dict[int, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
@@ -350,10 +462,12 @@ class ArrowSource:
 
     def where(self, row: int) -> str:
         i = int(np.searchsorted(self.starts, row, side="right")) - 1
-        return f"{self.files[i]} row {row - int(self.starts[i])}"
+        file = self.name if len(self.files) == 1 else self.files[i]
+        return f"{file} row {row - int(self.starts[i])}"
 
 
-def _arrow_table(path: str) -> Any:
+def _arrow_table(path: str, name: str | None = None) -> Any:
+    """The table of an Arrow file; `name` is the file a message names (default: `path`)."""
     import pyarrow as pa
 
     try:
@@ -364,7 +478,7 @@ def _arrow_table(path: str) -> Any:
             source.seek(0)
             return pa.ipc.open_stream(source).read_all()  # `datasets` writes the stream format
     except (OSError, pa.ArrowInvalid) as e:
-        raise UserError(f"cannot read {path} as an Arrow IPC file or stream: {e}") from None
+        raise UserError(f"cannot read {name or path} as an Arrow IPC file or stream: {e}") from None
 
 
 def _column_values(values: list[Any], field: str) -> list[Any]:

@@ -133,9 +133,9 @@ def test_bad_input_skip_warns_with_file_line_and_count(tmp_path, real_tokenizer,
     with caplog.at_level(logging.WARNING, logger="crossdistill.data"):
         loader = build_loader(cfg, tok, [])
         text = b""
-        for batch in islice(loader, 40):
+        for batch in islice(loader, 40):  # the rows come shuffled: read until all are seen
             text += b"".join(row_texts(batch, None, tb)[0])
-            if good[2].encode() in text:
+            if loader.num_skipped >= 4 and all(g.encode() in text for g in good):
                 break
     messages = [r.getMessage() for r in caplog.records]
     for line, reason in [
@@ -233,6 +233,19 @@ def test_shards_are_disjoint_and_cover_everything_each_epoch(tmp_path):
     assert list(_take_stream(plan, 2, start, 70)) == whole[50:]
 
 
+def test_training_mixes_a_corpus_stored_in_order(tmp_path):
+    # two halves of a corpus, as a file sorted by language or source holds them: the first
+    # tenth of every consumer's stream already draws from both, in about their shares
+    src = open_source(str(write_jsonl(tmp_path / "s.jsonl", _docs(2000))), "jsonl", "text")
+    for seed in range(3):
+        plan = Plan([src], "train", 0.05, seed=seed, num_consumers=2, shuffle=True)
+        for consumer in range(2):
+            first = [r for _, r in _plan_rows(plan, consumer)[:100]]
+            assert 0.35 < np.mean(np.asarray(first) < 1000) < 0.65, (seed, consumer)
+    held_out = Plan([src], "validation", 0.05, seed=0, num_consumers=1, shuffle=False)
+    assert held_out.blocks.shape[0] <= 8  # read in order, in runs of rows
+
+
 def _take_stream(plan, consumer, cursor, n):
     for i, (cur, value, _) in enumerate(plan.stream(consumer, cursor, repeat=True)):
         if i == n:
@@ -276,3 +289,72 @@ def test_an_error_in_a_worker_process_reaches_the_trainer_as_one_user_error(
     message = str(info.value)
     assert "w.jsonl:2: field 'text' is a int, not a string" in message
     assert "Traceback" not in message and "\n" not in message
+
+
+def _compress(path, kind: str):
+    import bz2
+    import gzip
+    import lzma
+
+    opener = {"gz": gzip.open, "bz2": bz2.open, "xz": lzma.open}[kind]
+    out = path.with_name(f"{path.name}.{kind}")
+    with opener(out, "wb") as f:
+        f.write(path.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gz", "bz2", "xz"])
+def test_compressed_jsonl_reads_as_the_plain_file_and_names_itself(tmp_path, kind):
+    docs = _docs(50)
+    plain = write_jsonl(tmp_path / "c.jsonl", docs)
+    packed = _compress(plain, kind)
+    src = open_source(str(packed), "auto", "text")
+    assert src.num_rows == 50 and src.read(0, 50) == docs
+    assert src.where(3) == f"{packed}:4"  # the user's file, not the decompressed copy
+    again = open_source(str(packed), "jsonl", "text")  # a named format decompresses too
+    assert again.path == src.path and again.read(10, 12) == docs[10:12]  # one copy, reused
+    plan = Plan([src], "all", 0.0, seed=0, num_consumers=2, shuffle=True)
+    assert sorted(r for c in range(2) for _, r in _plan_rows(plan, c)) == list(range(50))
+
+
+def test_compressed_text_files_are_documents(tmp_path):
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_text("first document\n")
+    _compress(tmp_path / "t" / "a.txt", "gz").rename(tmp_path / "t" / "b.txt.gz")
+    (tmp_path / "t" / "c.gz").write_bytes(b"\x1f\x8b broken")
+    src = open_source(str(tmp_path / "t"), "auto", "text")
+    assert src.read(0, 2) == ["first document\n"] * 2
+    (bad,) = src.read(2, 3)  # a bad row, for the bad-input policy: the others still read
+    assert isinstance(bad, Bad) and bad.reason.startswith("cannot decompress it (gzip)")
+
+
+def test_a_damaged_compressed_jsonl_is_one_error_and_leaves_no_copy(tmp_path):
+    packed = _compress(write_jsonl(tmp_path / "c.jsonl", _docs(200)), "gz")
+    packed.write_bytes(packed.read_bytes()[:-40])  # cut short
+    with pytest.raises(UserError, match=r"cannot decompress .*c\.jsonl\.gz \(gzip\)"):
+        open_source(str(packed), "auto", "text")
+    leftovers = list((tmp_path / "cache").rglob("*c.jsonl*"))
+    assert [p.name for p in leftovers if not p.name.endswith(".lock")] == []
+
+
+def test_an_unwritable_cache_names_the_setting(tmp_path, monkeypatch):
+    packed = _compress(write_jsonl(tmp_path / "c.jsonl", _docs(5)), "gz")
+    (tmp_path / "file").write_text("not a folder")
+    monkeypatch.setenv("CROSSDISTILL_CACHE", str(tmp_path / "file" / "cache"))
+    with pytest.raises(UserError, match="set CROSSDISTILL_CACHE to a writable folder"):
+        open_source(str(packed), "auto", "text")
+
+
+def test_zstandard_is_read_or_names_its_package(tmp_path):
+    docs = _docs(20)
+    plain = write_jsonl(tmp_path / "c.jsonl", docs)
+    path = tmp_path / "c.jsonl.zst"
+    try:
+        import zstandard
+    except ImportError:
+        path.write_bytes(b"\x28\xb5\x2f\xfd")
+        with pytest.raises(UserError, match="pip install zstandard"):
+            open_source(str(path), "auto", "text")
+        return
+    path.write_bytes(zstandard.ZstdCompressor().compress(plain.read_bytes()))
+    assert open_source(str(path), "auto", "text").read(0, 20) == docs
