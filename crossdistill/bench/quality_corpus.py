@@ -12,76 +12,36 @@ import json
 import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from crossdistill.errors import UserError
-
-if TYPE_CHECKING:
-    from crossdistill.data.sources import Source
 
 PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a line end
 VAL_EVERY = 20  # about one piece in this many is held out
 
 
 class CorpusReader:
-    """The text documents of the corpus files (JSONL, text, Parquet, ... as `crossdistill
-    train` reads them; `text_field`: the JSONL field or table column), cut into pieces of about
+    """The corpus's text documents (`data.documents.TextDocuments`: any format the trainer
+    reads, the files read only as far as the consumer takes them) cut into pieces of about
     `PIECE_BYTES` at line ends, so that a corpus of a few long texts still splits into training
-    and held-out text. Iterating yields the pieces in order, reading the files only as far as
-    the consumer takes them (a corpus far larger than the experiment is not read whole). Rows
-    that are not a document are skipped and counted (`note`); a corpus read to its end without
-    one is an error naming the first such row."""
+    and held-out text."""
 
     def __init__(self, corpora: list[str], text_field: str = "text"):
-        from crossdistill.data.sources import MissingField, open_source
+        from crossdistill.data.documents import TextDocuments
 
-        self.corpora, self.text_field = corpora, text_field
-        self.rows = 0  # rows read, blank JSONL lines left out
-        self.skipped: list[tuple[str, str]] = []  # (where, reason) of rows that are not text
-        self.sources: list[Source] = []
-        for path in corpora:
-            try:
-                self.sources.append(open_source(path, "auto", text_field))
-            except MissingField as e:
-                raise e.for_command_line() from None
+        self.documents = TextDocuments(corpora, text_field)
+
+    @property
+    def rows(self) -> int:
+        return self.documents.rows
 
     def __iter__(self) -> Iterator[str]:
-        from crossdistill.data.documents import check_document
-        from crossdistill.data.sources import Bad
-
-        self.rows, self.skipped = 0, []
-        found = False
-        for source in self.sources:
-            for start, stop in source.groups():
-                for row, value in enumerate(source.read(start, stop), start):
-                    if value is None:  # a blank JSONL line
-                        continue
-                    self.rows += 1
-                    doc = check_document(value, "text", self.text_field)
-                    if isinstance(doc, Bad):
-                        self.skipped.append((source.where(row), doc.reason))
-                        continue
-                    for piece in _cut(doc):
-                        found = True
-                        yield piece
-        if not found:
-            first = f": {self.skipped[0][0]}: {self.skipped[0][1]}" if self.skipped else ""
-            more = f" (and {len(self.skipped) - 1} more rows)" if len(self.skipped) > 1 else ""
-            raise UserError(
-                f"no text documents in {', '.join(self.corpora)}{first}{more}; the corpus needs "
-                f"text rows (a JSONL field or Parquet column named {self.text_field!r}: name "
-                "yours with --text-field; or plain UTF-8 text files)"
-            )
+        for doc in self.documents:
+            yield from _cut(doc)
 
     def note(self) -> str | None:
         """How many of the rows read were skipped, and why the first was; None when none."""
-        if not self.skipped:
-            return None
-        where, reason = self.skipped[0]
-        return (
-            f"[quality] skipped {len(self.skipped)} of {self.rows} corpus rows read that are not "
-            f"text documents (the first: {where}: {reason})"
-        )
+        note = self.documents.note()
+        return None if note is None else f"[quality] {note}"
 
 
 def corpus_pieces(

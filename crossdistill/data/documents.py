@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -115,3 +116,62 @@ class BadInputPolicy:
         n = self.num_skipped
         if n <= _WARN_FIRST or str(n).rstrip("0") == "1":
             log.warning("skipped bad input at %s: %s (%d skipped so far)", where, reason, n)
+
+
+class TextDocuments:
+    """The text documents of corpus files, in order, for a command that reads the start of a
+    corpus (`bench quality`, `audit`): any format `open_source` reads, `field` the JSONL field
+    or table column; the files are read only as far as the consumer takes the documents, a few
+    hundred rows at a time. Rows that are not a document are skipped and counted (`note`);
+    iterating over a corpus with none is a `UserError` naming the first such row."""
+
+    READ_ROWS = 256
+
+    def __init__(self, paths: list[str], field: str = "text"):
+        from crossdistill.data.sources import MissingField, open_source
+
+        self.paths, self.field = paths, field
+        self.rows = 0  # rows read, blank JSONL lines left out
+        self.skipped: list[tuple[str, str]] = []  # (where, reason) of rows that are not text
+        self.sources = []
+        for path in paths:
+            try:
+                self.sources.append(open_source(path, "auto", field))
+            except MissingField as e:
+                raise e.for_command_line() from None
+
+    def __iter__(self) -> Iterator[str]:
+        self.rows, self.skipped = 0, []
+        found = False
+        for source in self.sources:
+            for start, stop in source.groups():
+                for lo in range(start, stop, self.READ_ROWS):
+                    hi = min(stop, lo + self.READ_ROWS)
+                    for row, value in enumerate(source.read(lo, hi), lo):
+                        if value is None:  # a blank JSONL line
+                            continue
+                        self.rows += 1
+                        doc = check_document(value, "text", self.field)
+                        if isinstance(doc, Bad):
+                            self.skipped.append((source.where(row), doc.reason))
+                            continue
+                        found = True
+                        yield doc
+        if not found:
+            first = f": {self.skipped[0][0]}: {self.skipped[0][1]}" if self.skipped else ""
+            more = f" (and {len(self.skipped) - 1} more rows)" if len(self.skipped) > 1 else ""
+            raise UserError(
+                f"no text documents in {', '.join(self.paths)}{first}{more}; the corpus needs "
+                f"text rows (a JSONL field or Parquet column named {self.field!r}: name yours "
+                "with --text-field; or plain UTF-8 text files)"
+            )
+
+    def note(self) -> str | None:
+        """How many of the rows read were skipped, and why the first was; None when none."""
+        if not self.skipped:
+            return None
+        where, reason = self.skipped[0]
+        return (
+            f"skipped {len(self.skipped)} of {self.rows} corpus rows read that are not text "
+            f"documents (the first: {where}: {reason})"
+        )

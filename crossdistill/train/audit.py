@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -50,33 +51,25 @@ FIRST_PIECE_KINDS = ("right", "student_longer", "student_shorter", "other")
 
 def read_texts(paths: list[str], limit: int, field: str = "text") -> list[str]:
     """The first documents of the corpus files until `limit` UTF-8 bytes (the demo's corpus,
-    this machine's Python standard library, when no file is given)."""
+    this machine's Python standard library, when no file is given). Rows that are not text are
+    skipped, and counted on stderr."""
     if not paths:
         from crossdistill.train.demo_assets import stdlib_corpus
 
         texts, _ = stdlib_corpus(max_files=100_000, seed=0, train_bytes=limit, val_bytes=1)
-    else:
-        from crossdistill.data.sources import MissingField, open_source
+        return first_bytes(texts, limit)
+    from crossdistill.data.documents import TextDocuments
 
-        texts = []
-        for path in paths:
-            try:
-                source = open_source(path, "auto", field)
-            except MissingField as e:
-                raise e.for_command_line() from None
-            for lo in range(0, source.num_rows, 256):
-                for value in source.read(lo, min(lo + 256, source.num_rows)):
-                    if isinstance(value, str) and value.strip():
-                        texts.append(value)
-                if sum(len(t) for t in texts) >= limit:
-                    break
-    out = first_bytes(texts, limit)
-    if not out:
-        raise UserError(
-            f"no text documents in {', '.join(paths)}: the corpus needs text rows (a JSONL "
-            f"{field!r} field, a Parquet column of that name, or plain text files)"
-        )
-    return out
+    documents = TextDocuments(paths, field)
+    texts, size = [], 0
+    for text in documents:
+        texts.append(text)
+        size += len(text.encode())
+        if size >= limit:
+            break
+    if (note := documents.note()) is not None:
+        print(f"[audit] {note}", file=sys.stderr)
+    return texts
 
 
 def first_bytes(texts: list[str], num_bytes: int, within: bool = False) -> list[str]:

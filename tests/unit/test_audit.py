@@ -83,6 +83,23 @@ def test_the_command_writes_json_and_a_histogram(tokenizer_dir, tmp_path, capsys
     assert "recommendation" in capsys.readouterr().out
 
 
+def test_rows_that_are_not_text_are_counted_and_the_corpus_may_be_compressed(
+    tmp_path, capsys
+):
+    import gzip
+
+    rows = [{"text": f"document {i}\n" * 50} for i in range(40)]
+    rows[1] = {"body": "another field"}
+    rows[3] = {"text": 7}
+    path = tmp_path / "c.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    texts = read_texts([str(path)], 2_000)
+    assert texts == [r["text"] for i, r in enumerate(rows[:6]) if i not in (1, 3)]
+    err = capsys.readouterr().err
+    assert "[audit] skipped 2 of 6 corpus rows read" in err and "c.jsonl.gz:2" in err
+
+
 def test_bad_input_is_one_line(tokenizer_dir, tmp_path, capsys):
     tok = str(tokenizer_dir("llama3"))
     with pytest.raises(UserError, match="data path not found"):

@@ -462,19 +462,26 @@ def test_every_command_that_reads_a_corpus_names_the_text_field_flag(
         assert "--text-field" in err and "data.text_field" not in err, err
 
 
-def test_a_corpus_is_read_only_as_far_as_the_split_takes_it(tmp_path):
+def test_a_corpus_is_read_only_as_far_as_the_split_takes_it(tmp_path, monkeypatch):
     """The split of a streamed corpus is the split of all of it, and reading stops once the
     training and held-out text are full: a corpus far larger than the experiment is not read
     whole."""
+    from crossdistill.data.sources import JsonlSource
+
     docs = [
         f"# file {i}\n" + f"value_{i} = {i} * 2  # a line of code\n" * 400 for i in range(2_000)
     ]
     path = tmp_path / "big.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     everything = corpus_pieces([str(path)])
+    read_up_to = []  # the last row each read of the file parsed
+    real_read = JsonlSource.read
+    monkeypatch.setattr(
+        JsonlSource, "read", lambda self, a, b: read_up_to.append(b) or real_read(self, a, b)
+    )
     reader = CorpusReader([str(path)])
     assert split_pieces(reader, 200_000, 50_000) == split_pieces(everything, 200_000, 50_000)
-    assert 0 < reader.rows < len(docs) // 10  # about 1 MB of the 31 MB read
+    assert 0 < reader.rows <= max(read_up_to) < len(docs) // 5  # about 1 MB of the 31 MB
 
 
 def test_text_field_reaches_the_spec_and_an_empty_one_is_refused(tmp_path):
