@@ -83,9 +83,7 @@ def test_the_command_writes_json_and_a_histogram(tokenizer_dir, tmp_path, capsys
     assert "recommendation" in capsys.readouterr().out
 
 
-def test_rows_that_are_not_text_are_counted_and_the_corpus_may_be_compressed(
-    tmp_path, capsys
-):
+def test_rows_that_are_not_text_are_counted_and_the_corpus_may_be_compressed(tmp_path, capsys):
     import gzip
 
     rows = [{"text": f"document {i}\n" * 50} for i in range(40)]
