@@ -73,6 +73,16 @@ class Plan:
         self.num_consumers = int(num_consumers)
         self.shuffle = shuffle
         self.blocks = _make_blocks(sources, num_consumers, shuffle)
+        # blocks of one row each: the split is applied to the table once, not per block read
+        self._split_in_blocks = False
+        sizes = self.blocks[:, 2] - self.blocks[:, 1]
+        if split != "all" and self.blocks.shape[0] and bool((sizes == 1).all()):
+            held = np.zeros(self.blocks.shape[0], dtype=bool)
+            for src in np.unique(self.blocks[:, 0]).tolist():
+                mine = self.blocks[:, 0] == src
+                held[mine] = _unit_hash(self.seed, src, self.blocks[mine, 1]) < self.val_fraction
+            self.blocks = self.blocks[held if split == "validation" else ~held]
+            self._split_in_blocks = True
 
     def block_order(self, epoch: int, consumer: int) -> np.ndarray:
         """Indices into `blocks` that `consumer` reads in `epoch`, in reading order."""
@@ -88,7 +98,7 @@ class Plan:
         """Source row numbers of one block in `split`, in the epoch's order."""
         src, start, stop = (int(x) for x in self.blocks[block_id])
         rows = np.arange(start, stop, dtype=np.int64)
-        if self.split != "all":
+        if self.split != "all" and not self._split_in_blocks:
             is_val = _unit_hash(self.seed, src, rows) < self.val_fraction
             rows = rows[is_val] if self.split == "validation" else rows[~is_val]
         if self.shuffle and rows.size > 1:
