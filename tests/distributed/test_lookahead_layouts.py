@@ -3,14 +3,16 @@
 The scenario of `test_parallel.py` (tiny Llama student, Qwen3 and Phi-3 teachers, real
 tokenizers, float32), its Qwen3 teacher on `target: lookahead_end` at top 1024: the untrained
 teacher's top 16 seldom hold the observed token, so the rows past each chunk's end would hardly
-move the loss (as in `test_streams.py`). At 1024 they move the Qwen3 KD term by more than twice
-`KD_REL` of its size (checked below) but the whole loss by less than `REL`, so the KD term is
-compared on its own as well.
+move the loss (as in `test_streams.py`). Even at 1024 whether they move the KD term at all
+depends on the batch (a window of micro-batches in which no chunk reaches a top-k entry past
+its end leaves it unchanged), so the layouts train from the window, of the first `SCAN`, where
+they move it most; there by more than twice `KD_REL` of its size (checked below) but the whole
+loss by less than `REL`, so the KD term is compared on its own as well.
 A tensor-parallel student scores the lookahead buckets vocabulary-sharded, a context-parallel
 one its own rows; with the teachers tensor- or context-parallel as the student, and whole on
 each rank (the two ranks share the teachers' work), each must give the one-process loss and
-gradient norm to 1e-5 relative for 3 optimizer steps, and the KD term to 1e-5 at the first
-step (the same weights) and to `KD_REL` after it.
+gradient norm to 1e-5 relative for 3 optimizer steps, and the KD term to `KD_REL_FIRST` at
+the first step (the same weights) and to `KD_REL` after it.
 `lookahead_prefix` and `lookahead_prefix_end` (the KD position's other tokens in byte-prefix
 groups, scored on the unfused path) run on the context-parallel layout alone: a tensor-parallel
 student is refused with them (`tests/unit/test_lookahead_prefix.py`).
@@ -33,7 +35,12 @@ REL = 1e-5
 # term of the untrained models by more than REL of its size, on any target (the first piece's
 # too); the rows past the chunks' ends move it by more than twice this.
 KD_REL = 1e-4
+# The KD term of the untrained models is a small difference of log-probabilities (about 0.004
+# against a loss near 10), so float32 rounding is a larger share of it than of the loss even at
+# the first step; this is still a quarter of the smallest past-end effect accepted (2 × KD_REL).
+KD_REL_FIRST = 5e-5
 TOP_K = 1024
+SCAN = 4  # windows of the scenario searched for the one where the past-end rows move KD most
 KD = ("kd/qwen",)
 NAMES = ("tp2", "cp2", "tp2_teachers_whole", "cp2_teachers_whole")
 CASES = [c for c in w.TWO_RANKS if c.name in NAMES]
@@ -80,10 +87,28 @@ def runs(tmp_path_factory, tokenizer_dir):
     cfg = _config(root, tokenizer_dir, "lookahead_end")
     lookahead = copy.deepcopy(cfg)
     lookahead.teachers[0].target = "lookahead"
-    sc = h.prepare(cfg, h.STEPS * h.WINDOW, root / "scenario.pt")
+    path = root / "scenario.pt"
+    sc = _from_the_window_moved_most(cfg, lookahead, h.prepare(cfg, SCAN * h.WINDOW, path), path)
     reference = _one_process(cfg, sc)
     other = _one_process(lookahead, sc, steps=1)
     return reference, other, _two_ranks(cfg, root, CASES)
+
+
+def _from_the_window_moved_most(cfg, other, sc: h.Scenario, path) -> h.Scenario:
+    """`sc` with its windows rotated so that it starts from the one where the first step's KD
+    term under `cfg` differs most from that under `other`, saved to `path` for the ranks."""
+
+    def moved(window: int) -> float:
+        start = window * h.WINDOW
+        batches = sc.batches[start:] + sc.batches[:start]
+        one = h.Scenario(batches, sc.projections)
+        kd, kd_other = _one_process(cfg, one, steps=1)[0][2], _one_process(other, one, steps=1)[0][2]
+        return abs(kd - kd_other) / abs(kd_other)
+
+    start = max(range(len(sc.batches) // h.WINDOW), key=moved) * h.WINDOW
+    best = h.Scenario(sc.batches[start:] + sc.batches[:start], sc.projections)
+    torch.save(best, path)
+    return best
 
 
 @pytest.fixture(scope="module", params=["lookahead_prefix", "lookahead_prefix_end"])
@@ -104,12 +129,12 @@ def prefix_runs(request, tmp_path_factory, tokenizer_dir):
 
 
 def _assert_matches(got: list, reference: list, case: str) -> None:
-    """`got` gives `reference`'s loss and norm to `REL` at every step, its KD term to `REL` at
-    the first step and to `KD_REL` after it."""
+    """`got` gives `reference`'s loss and norm to `REL` at every step, its KD term to
+    `KD_REL_FIRST` at the first step and to `KD_REL` after it."""
     assert len(got) == len(reference) == h.STEPS
     for step, (values, ref) in enumerate(zip(got, reference), start=1):
         for name, value, ref_value in zip(("loss", "norm", *KD), values, ref):
-            rel = KD_REL if name in KD and step > 1 else REL
+            rel = (KD_REL if step > 1 else KD_REL_FIRST) if name in KD else REL
             assert abs(value - ref_value) <= rel * abs(ref_value), (
                 case,
                 step,
