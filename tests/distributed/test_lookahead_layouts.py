@@ -102,7 +102,8 @@ def _from_the_window_moved_most(cfg, other, sc: h.Scenario, path) -> h.Scenario:
         start = window * h.WINDOW
         batches = sc.batches[start:] + sc.batches[:start]
         one = h.Scenario(batches, sc.projections)
-        kd, kd_other = _one_process(cfg, one, steps=1)[0][2], _one_process(other, one, steps=1)[0][2]
+        kd = _one_process(cfg, one, steps=1)[0][2]
+        kd_other = _one_process(other, one, steps=1)[0][2]
         return abs(kd - kd_other) / abs(kd_other)
 
     start = max(range(len(sc.batches) // h.WINDOW), key=moved) * h.WINDOW
