@@ -33,6 +33,7 @@ from tests.unit.test_losses_student import ce_count, plain_divergence, rel, run
 
 F64 = torch.float64
 NEG_INF = float("-inf")
+TOP_K_END = 16384  # a third of the harness teacher's vocabulary (GPT-2 tokenizer, 50304)
 
 
 def toy_groups(toy: Toy) -> PrefixGroups:
@@ -204,18 +205,20 @@ def test_groups_change_the_loss_of_the_lookahead_target():
 
 def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, tokenizer_dir):
     """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
-    finite first KD values, `lookahead_prefix`'s not the lookahead target's, and at top 4096,
-    `lookahead_prefix_end`'s (the rows past the ends read too) not `lookahead_prefix`'s. The
-    untrained teacher is nearly uniform: a top-k of a twelfth of its vocabulary holds the
-    observed token at about a twelfth of the positions where a path starts or ends."""
+    finite first KD values, `lookahead_prefix`'s not the lookahead target's, and at a top-k of
+    a third of the vocabulary, `lookahead_prefix_end`'s (the rows past the ends read too) not
+    `lookahead_prefix`'s. The untrained teacher is nearly uniform, so a top-k holds both the
+    observed token where a path starts and a join where it ends at about the square of its
+    share of the positions: a twelfth (top 4096) left the first batch with none, a third leaves
+    some in any batch."""
     from tests.distributed import _harness as h
 
     kd = {}
     for target, top_k in (
         ("lookahead", 64),
         ("lookahead_prefix", 64),
-        ("lookahead_prefix", 4096),
-        ("lookahead_prefix_end", 4096),
+        ("lookahead_prefix", TOP_K_END),
+        ("lookahead_prefix_end", TOP_K_END),
     ):
         cfg = h.trainer_config(tmp_path / f"{target}-{top_k}", tokenizer_dir, 2, eval_every=2)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, top_k
@@ -225,7 +228,7 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
     assert abs(grouped - kd["lookahead", 64]) > 1e-6 * grouped
     # past the end the moved mass is p(t_0)·p(joins) ~ 1/V² under a nearly uniform teacher:
     # tiny, but the run is deterministic and without the rows past the end it is the same run
-    assert kd["lookahead_prefix_end", 4096] != kd["lookahead_prefix", 4096]
+    assert kd["lookahead_prefix_end", TOP_K_END] != kd["lookahead_prefix", TOP_K_END]
 
 
 def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokenizer_dir):
