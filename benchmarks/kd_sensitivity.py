@@ -46,6 +46,7 @@ def run_seed(
     top_k: int | None = None,
     student_lr: float | None = None,
     student_bytes: int | None = None,
+    teacher_steps: int | None = None,
 ) -> dict:
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
@@ -72,10 +73,13 @@ def run_seed(
         result[f"{key}_bpb"] = demo.run_stage(cfg, reuse=True)["val/bpb/student"]
         result[f"{key}_heldout_bpb"] = demo.heldout_bpb(Path(cfg.run.out_dir), val)
 
+    t_steps = teacher_steps or t["steps"]
+    # teachers trained for other steps sit beside the demo's, and so do their students
+    t_tag = "" if t_steps == t["steps"] else f"_t{t_steps}"
     for name in which:  # only the teachers asked for
         model = teachers[name]
-        cfg = demo.stage_config(out, f"teacher_{name}", model, t["steps"], t["lr"], seed, evals)
-        score(cfg, f"teacher_{name}")
+        cfg = demo.stage_config(out, f"teacher_{name}{t_tag}", model, t_steps, t["lr"], seed, evals)
+        score(cfg, f"teacher_{name}{t_tag}")
     student = demo._model(s, student_tok, v_s)
     lr = student_lr or s["lr"]
     lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
@@ -98,7 +102,7 @@ def run_seed(
             continue  # the other targets change the projected losses only
         entry = {
             "name": "teacher",
-            "path": str(out / f"teacher_{name}" / "final"),
+            "path": str(out / f"teacher_{name}{t_tag}" / "final"),
             "dtype": "float32",
             "loss": loss,
             "target": target,
@@ -107,7 +111,7 @@ def run_seed(
         }
         tag = name if loss == "forward_kl" else f"{name}_{loss}"
         tag += "" if target == "first_piece" else f"_{target}"
-        tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + lr_tag
+        tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + t_tag + lr_tag
         for ratio in kd_ratios:
             cfg = student_stage(f"kd_{tag}_{ratio}", [entry])
             cfg.train.kd_ratio = ratio
@@ -135,6 +139,9 @@ def main() -> int:
         help="students train on the first N bytes of the teachers' text (whole files, in "
         "epochs); default: the demo's; 0: all of it",
     )
+    p.add_argument(
+        "--teacher-steps", type=int, default=None, help="the teachers' steps; default: the demo's"
+    )
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     out = Path(args.out)
@@ -156,6 +163,7 @@ def main() -> int:
                 args.top_k,
                 args.student_lr,
                 student_bytes,
+                args.teacher_steps,
             )
         )
         print(json.dumps(rows[-1]), flush=True)
