@@ -535,6 +535,23 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
         versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
     )
 
+    # every student and teacher scored by class on the packing the cross students were
+    # validated on: theirs are their validations, the others' within the packing's effect
+    from benchmarks.bpb_by_class import main as by_class
+
+    by_class([str(tmp_path), "--json", str(tmp_path / "by_class.json"), "--device", "cpu"])
+    table = json.loads((tmp_path / "by_class.json").read_text())
+    assert sorted(table["cells"]) == sorted(["ce", "same", entry["cell"], context["cell"]])
+    for cell, runs in table["cells"].items():
+        assert len(runs) == 2
+        for row in (r["llama2"] for r in runs.values()):
+            close = 1e-6 if cell.startswith("cross") else 3e-3
+            assert row["total"] == pytest.approx(row["validation"], rel=close)
+            assert sum(row["align"].values()) == pytest.approx(row["total"], rel=1e-9)
+    rows = table["gap_closed"][entry["cell"]]
+    ce_here = statistics.fmean(r["llama2"]["total"] for r in table["cells"]["ce"].values())
+    assert rows["total"]["cross_gain"] == pytest.approx(ce_here - entry["bpb"]["mean"], rel=1e-4)
+
     start = time.perf_counter()
     assert main(argv) == 0  # everything reused
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["cross"] == report["cross"]

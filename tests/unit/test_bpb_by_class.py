@@ -1,0 +1,123 @@
+"""`benchmarks/bpb_by_class.py`: the per-chunk accounting of held-out bits against hand-worked
+chunks and against plain sums over real aligned batches (GPT-2 student, Llama-2 teacher), and
+its per-token bits against a float64 computation on a tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.bpb_by_class import (
+    ALIGN_KINDS,
+    TEXT_CLASSES,
+    chunk_classes,
+    class_sums,
+    held_out,
+    partitions,
+    per_chunk,
+    shifted,
+    text_class_of_tokens,
+    token_bits,
+)
+
+TEXTS = [
+    'my $total = 12345;\n        print "sum: $total\\n";\n',
+    "The quick brown fox, 1999 — naïve café.\n\n\n    indented line here\n",
+    "sub add { my ($a, $b) = @_; return $a + $b; }  # 42 apples\n",
+] * 3
+
+
+def test_chunk_classes_by_hand():
+    # tokens: "x" " =" " 12" "3" "\n\n" "ab" ; text classes: other, other, digits, digits,
+    # whitespace, other
+    text_class = np.array([2, 2, 0, 0, 1, 2], dtype=np.int8)  # by token id = position here
+    ids = np.arange(6)
+    chunks = np.array(
+        [
+            [0, 1, 0, 1],  # one to one
+            [1, 2, 1, 3],  # student longer
+            [2, 4, 3, 4],  # student shorter (both digit tokens)
+            [4, 6, 4, 6],  # many: whitespace beats other
+        ]
+    )
+    text, align = chunk_classes(chunks, ids, text_class)
+    assert [TEXT_CLASSES[i] for i in text] == ["other", "other", "digits", "whitespace"]
+    assert [ALIGN_KINDS[i] for i in align] == list(ALIGN_KINDS)
+    bits = np.array([0.0, 1.0, 2.0, 4.0, 8.0, 16.0])
+    assert per_chunk(bits, chunks[:, 0], chunks[:, 1]).tolist() == [0.0, 1.0, 6.0, 24.0]
+    assert shifted(np.array([5.0, 6.0, 7.0])).tolist() == [0.0, 5.0, 6.0]
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory, tokenizer_dir):
+    d = tmp_path_factory.mktemp("byclass")
+    corpus = d / "val.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+    config = {
+        "student": {"arch": "tiny-llama", "tokenizer": str(tokenizer_dir("gpt2"))},
+        "data": {"train": [str(corpus)], "validation": [str(corpus)], "seq_len": 64,
+                 "micro_batch_size": 2},
+    }  # fmt: skip
+    tok_s, batches = held_out(config, [str(tokenizer_dir("llama2"))])
+    return tok_s, batches
+
+
+def test_every_partition_adds_up_to_the_whole_on_real_aligned_batches(batches):
+    tok_s, batches = batches
+    assert len(batches) >= 2
+    parts = partitions(batches, text_class_of_tokens(tok_s))
+    gen = np.random.default_rng(0)
+    bits_s, bits_t = [], []
+    for b in batches:  # random bits on every label token of each side, 0 elsewhere
+        for side, out in ((b.student, bits_s), (b.teachers[0], bits_t)):
+            pos = gen.exponential(size=side.labels.numel()) * (side.labels.flatten() >= 0).numpy()
+            out.append(shifted(pos))
+    for bits, side in ((bits_s, "student"), (bits_t, "teacher")):
+        sums = class_sums(bits, parts, 0, side)
+        whole = sum(float(x.sum()) for x in bits)
+        assert sums["total"] == pytest.approx(whole, rel=1e-12)
+        for partition in ("text", "align"):
+            assert sum(sums[partition].values()) == pytest.approx(whole, rel=1e-12)
+    # bytes: each chunk's student and teacher tokens cover the same bytes
+    nb_s = [shifted(b.student.target_bytes.flatten().numpy().astype(float)) for b in batches]
+    nb_t = [shifted(b.teachers[0].target_bytes.flatten().numpy().astype(float)) for b in batches]
+    by_s, by_t = class_sums(nb_s, parts, 0, "student"), class_sums(nb_t, parts, 0, "teacher")
+    assert by_s == by_t
+    assert by_s["total"] == sum(len(t.encode()) for t in TEXTS)
+    # GPT-2 and Llama-2 cut numbers and runs of spaces differently: every class is present
+    assert all(v > 0 for v in by_s["text"].values())
+    assert by_s["align"]["one_to_one"] > 0 and by_s["align"]["student_shorter"] > 0
+
+
+def test_token_bits_are_the_models_nll_in_float64(batches):
+    from crossdistill.models import build_causal_lm
+
+    _, batches = batches
+    model = build_causal_lm(
+        arch="tiny-llama",
+        overrides={"vocab_size": 50304, "hidden_size": 32, "intermediate_size": 64,
+                   "initializer_range": 0.3},
+        seed=0,
+    ).eval()  # fmt: skip
+    sb = batches[0].student
+    got = token_bits(model, sb, rows=37)  # rows that do not divide the batch
+    with torch.no_grad():
+        want = np.zeros(sb.labels.numel())
+        for b in range(sb.input_ids.shape[0]):
+            doc = sb.doc_ids[b]
+            for d in doc.unique().tolist():
+                if d < 0:
+                    continue
+                where = (doc == d).nonzero().flatten()
+                logits = model(sb.input_ids[b, where][None]).logits[0].double()
+                lp = torch.log_softmax(logits, -1)
+                for i, p in enumerate(where.tolist()):
+                    label = int(sb.labels[b, p])
+                    if label >= 0:
+                        want[b * sb.input_ids.shape[1] + p + 1] = -float(lp[i, label]) / math.log(2)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
