@@ -53,6 +53,8 @@ ATTENTION_CHOICES: tuple[str, ...] = get_args(Attention)
 # what activation checkpointing recomputes
 CheckpointScope = Literal["block", "mlp", "selective"]
 CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
+# the chunks that get a KD term (`TeacherConfig.kd_chunks`)
+KDChunks = Literal["all", "single_side"]
 # how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
 # in steps of 1/8 nat, or "none" (float32, exact)
 Quantization = Literal["int8", "none"]
@@ -145,6 +147,11 @@ class TeacherConfig(ModelConfig):
     # "lookahead_prefix_end" is "lookahead_prefix" that also reads past the end, as
     # "lookahead_end" does
     target: Target = "auto"
+    # the chunks that get a KD term: "all", or "single_side": none at a chunk of several tokens
+    # on both sides, where the student's first token ends inside a teacher token and no
+    # target gives the teacher's probability of it (`benchmarks/bpb_by_class.py` splits a
+    # run's held-out bits by chunk kind); with one tokenizer every chunk is one token each
+    kd_chunks: KDChunks = "all"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
     cache: str | None = None

@@ -197,7 +197,11 @@ class Experiment:
         for label in self.labels.values():
             for loss, target in cell_settings(spec.losses, spec.targets):
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
-                self.cells.append(Cell(f"cross-{label}-{loss}{suffix}", label, loss, target))
+                for chunks in spec.kd_chunks:
+                    name = f"cross-{label}-{loss}{suffix}"
+                    if chunks != TeacherConfig.kd_chunks:
+                        name += f"-{chunks}"
+                    self.cells.append(Cell(name, label, loss, target, chunks))
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
         self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
         self.teacher_paths: dict[tuple[str, int], Path] = {}  # (label, teacher seed) -> model
@@ -333,6 +337,7 @@ class Experiment:
                     "target": cell.target,
                     "top_k": spec.top_k,
                     "temperature": spec.temperature,
+                    "kd_chunks": cell.kd_chunks,
                 }
             ]
         folder = f"seed{seed}" + (f"-teacher{teacher_seed}" if teacher_seed else "")
@@ -394,6 +399,7 @@ class Experiment:
             "teacher_seeds": self.spec.teacher_seeds,
             "losses": self.spec.losses,
             "targets": self.spec.targets,
+            "kd_chunks": self.spec.kd_chunks,
             "kd_ratio": self.spec.kd_ratio,
             "top_k": self.spec.top_k,
             "temperature": self.spec.temperature,

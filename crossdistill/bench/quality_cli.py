@@ -9,14 +9,14 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from crossdistill.bench import quality
 from crossdistill.bench.quality import Experiment
 from crossdistill.bench.quality_corpus import PIECE_BYTES
 from crossdistill.bench.quality_report import plot_report, print_table
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size
-from crossdistill.config import LOSSES, TARGETS, TeacherConfig
+from crossdistill.config import LOSSES, TARGETS, KDChunks, TeacherConfig
 from crossdistill.data.cli import add_text_field_arg
 from crossdistill.errors import UserError
 
@@ -79,6 +79,14 @@ def add_parser(subparsers) -> None:
         default=None,
         help=f"the projected losses' target (repeatable; default {TeacherConfig.target}): each "
         "projected loss runs under each target, the other losses once",
+    )
+    p.add_argument(
+        "--kd-chunks",
+        action="append",
+        choices=get_args(KDChunks),
+        default=None,
+        help=f"the cross cells' teachers.N.kd_chunks (repeatable; default "
+        f"{TeacherConfig.kd_chunks}): each cross cell runs under each",
     )
     p.add_argument("--kd-ratio", type=float, default=0.5)
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
@@ -181,6 +189,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         teacher_seeds=args.teacher_seeds,
         losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
         targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
+        kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
         kd_ratio=args.kd_ratio,
         top_k=args.top_k,
         temperature=args.temperature,

@@ -23,6 +23,7 @@ class Cell:
     teacher: str | None = None  # a tokenizer label
     loss: str | None = None
     target: str = TeacherConfig.target
+    kd_chunks: str = TeacherConfig.kd_chunks
 
 
 def summarize(
@@ -135,6 +136,7 @@ def summarize(
             "tokenizer": cell.teacher,
             "loss": cell.loss,
             "target": cell.target,
+            "kd_chunks": cell.kd_chunks,
             "cell": cell.name,
             "bpb": _stats(cross),
             "beats_ce_every_seed": bool(cross)
@@ -165,7 +167,8 @@ def summarize(
                     for t in entry["teacher_seeds"]
                 }
         entry["change_vs_ce"] = _change(cross, ce_of)
-        # against the first target asked for with the same teacher and loss, seed by seed
+        # against the first cell asked for with the same teacher and loss (its first target and
+        # kd_chunks), seed by seed
         first = next(
             e
             for e in report["cross"] + [entry]
@@ -174,6 +177,7 @@ def summarize(
         if first is not entry:
             entry["change_vs_target"] = {
                 "target": first["target"],
+                "cell": first["cell"],
                 **_change(cross, runs[first["cell"]]),
             }
         report["cross"].append(entry)
@@ -292,6 +296,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" {entry['target']}"
         elif "chosen_target" in entry:
             label += f" ({entry['target']}: {entry['chosen_target']})"
+        if entry["kd_chunks"] != TeacherConfig.kd_chunks:
+            label += f" kd_chunks {entry['kd_chunks']}"
         gap = entry.get("gap_closed")
         gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
         means = entry.get("gap_closed_of_means")
@@ -313,7 +319,10 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
         print(f"  {label:40s} {pm(entry['bpb'])}{gap_text}{every}", file=file)
         _print_change(entry.get("change_vs_ce"), "CE only", file)
         change = entry.get("change_vs_target")
-        _print_change(change, change and f"the {change['target']} target", file)
+        if change:
+            same_target = change["target"] == entry["target"]
+            against = change["cell"] if same_target else f"the {change['target']} target"
+            _print_change(change, against, file)
     for line in report.get("warnings", []):
         print(f"\nnote: {line}", file=file)
     if report["refused"]:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import get_args
 
-from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, TARGETS, TeacherConfig
+from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, TARGETS, KDChunks, TeacherConfig
 from crossdistill.errors import UserError
 
 ARCH_KEYS = (
@@ -193,6 +194,8 @@ class QualitySpec:
     losses: list[str] = field(default_factory=lambda: [TeacherConfig.loss])
     # the projected losses' targets: each such loss runs under each; the others run once
     targets: list[str] = field(default_factory=lambda: [TeacherConfig.target])
+    # the cross cells' `kd_chunks`: each cross cell runs under each
+    kd_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.kd_chunks])
     kd_ratio: float = 0.5
     top_k: int = TeacherConfig.top_k
     temperature: float = TeacherConfig.temperature
@@ -221,6 +224,10 @@ class QualitySpec:
         for name in self.targets:
             if name not in TARGETS:
                 raise UserError(f"unknown --target {name!r}; use one of {', '.join(TARGETS)}")
+        choices = get_args(KDChunks)
+        for name in self.kd_chunks:
+            if name not in choices:
+                raise UserError(f"unknown --kd-chunks {name!r}; use one of {', '.join(choices)}")
         if not 0.0 < self.kd_ratio <= 1.0:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:

@@ -415,12 +415,21 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         loss=slot.cfg.loss,
         weight=slot.cfg.weight,
         params=params,
-        chunk_mask=_to(tb.kd_valid, device),
+        chunk_mask=kd_chunk_mask(slot.cfg.kd_chunks, _to(tb.kd_valid, device), chunks),
         name=slot.cfg.name,
         first_t=first_t,
         lookahead=ahead,
         past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
     )
+
+
+def kd_chunk_mask(kd_chunks: str, kd_valid: Tensor, chunks: Tensor) -> Tensor:
+    """`[C]` the chunks that get a KD term (`TeacherConfig.kd_chunks`): the batch's KD
+    positions, less the chunks of several tokens on both sides under "single_side"."""
+    if kd_chunks == "all":
+        return kd_valid
+    s0, s1, t0, t1 = chunks.unbind(-1)
+    return kd_valid & ((s1 - s0 == 1) | (t1 - t0 == 1))
 
 
 def target_bytes(tb: Any, device: torch.device) -> Tensor:

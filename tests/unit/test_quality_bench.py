@@ -10,6 +10,7 @@ import math
 import platform
 import statistics
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ from crossdistill.bench.quality_corpus import (
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, cell_settings, teacher_shape
 from crossdistill.cli import build_parser, main
-from crossdistill.config import TeacherConfig
+from crossdistill.config import TeacherConfig, to_dict
 from crossdistill.errors import UserError
 from crossdistill.models import load_tokenizer
 
@@ -186,6 +187,17 @@ def test_paired_changes_against_ce_and_the_first_target(tmp_path):
     assert f"vs the {TeacherConfig.target} target, paired:" in buffer.getvalue()
     assert "lower on 2 of 3 seeds" in buffer.getvalue()
 
+    # a kd_chunks cell of the same target is compared with the first cell, named
+    cells.append(Cell("cross-qwen3-kl-single_side", "qwen3", "kl", kd_chunks="single_side"))
+    runs["cross-qwen3-kl-single_side"] = {0: 1.8, 1: 1.9, 2: 1.95}
+    report = summarize({"llama3": 1.0, "qwen3": 1.0}, runs, cells, "llama3", _spec(tmp_path))
+    third = report["cross"][2]
+    assert third["kd_chunks"] == "single_side" and third["change_vs_target"]["better"] == 2
+    buffer = io.StringIO()
+    print_table(report, file=buffer)
+    assert "cross KD qwen3 kl kd_chunks single_side" in buffer.getvalue()
+    assert "vs cross-qwen3-kl, paired:" in buffer.getvalue()
+
 
 def test_teachers_too_far_apart_refuse_the_pair(tmp_path):
     report = summarize(
@@ -297,6 +309,41 @@ def test_auto_is_resolved_and_reported_for_the_projected_losses_only(tmp_path, t
         exp._student(cell, student, seed=0)
     # GPT-2's tokens are short: Llama-2's first piece is right too often for a far pair here
     assert exp.chosen == {"cross-llama2-forward_kl": "first_piece"}
+
+
+def test_kd_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
+    """`--kd-chunks all --kd-chunks single_side`: each cross cell runs under each, and the
+    option reaches the run's teacher; a run saved before the option existed is still the same
+    run as the default's (so a rerun reuses it)."""
+    from pathlib import Path
+
+    from crossdistill.bench.quality import Experiment, model_entry
+    from crossdistill.train.demo import _saved_config
+
+    teacher_tok = str(tokenizer_dir("llama2"))
+    spec = parsed_spec(tmp_path, "--kd-chunks", "all", "--kd-chunks", "single_side")
+    assert spec.kd_chunks == ["all", "single_side"]
+    spec = replace(spec, student_tokenizer=str(tokenizer_dir("gpt2")),
+                   teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
+                   seeds=2, targets=["first_piece"])  # fmt: skip
+    exp = Experiment(spec, log=lambda _: None)
+    exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
+    exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
+    student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
+    names = [cell.name for cell in exp.cells]
+    assert names == ["ce", "same", "cross-llama2-forward_kl-first_piece",
+                     "cross-llama2-forward_kl-first_piece-single_side"]  # fmt: skip
+    runs = {cell.name: exp._student(cell, student, seed=0).cfg for cell in exp.cells}
+    every, single = runs[names[2]], runs[names[3]]
+    assert every.teachers[0].kd_chunks == "all" and single.teachers[0].kd_chunks == "single_side"
+    assert runs["same"].teachers[0].kd_chunks == "all"
+    saved = tmp_path / "config.json"
+    raw = to_dict(every)
+    raw["teachers"][0].pop("kd_chunks")
+    saved.write_text(json.dumps(raw))
+    assert _saved_config(saved) == to_dict(every)
+    with pytest.raises(UserError, match="unknown --kd-chunks 'both'"):
+        replace(spec, kd_chunks=["both"]).check()
 
 
 def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):
