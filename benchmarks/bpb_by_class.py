@@ -20,8 +20,9 @@ A class's bits are over *all* held-out bytes, so the classes of a partition add 
 model's bits per byte, and a class's gain over CE only is its share of the whole gain. Per class
 and cross cell the table gives the gain of same-tokenizer KD over CE only, the cross cell's, the
 gap closed (from the means over seeds), and how much worse the cross teacher is there than the
-same-tokenizer teacher. The students' totals are checked against their own validation
-(`final_metrics.json`); they differ by the evaluation's precision only (bfloat16 on a GPU).
+same-tokenizer teacher. Each student's total is printed beside its own validation
+(`final_metrics.json`): for the students of the packing's teacher they differ by the scoring's
+precision only (bfloat16 on a GPU); for the others, also by the packing.
 """
 
 from __future__ import annotations
