@@ -103,24 +103,17 @@ def token_bits(model: torch.nn.Module, side: Any, rows: int = 2048) -> np.ndarra
     """`[B·T]` float64: the model's NLL in bits of each token of one side of a batch (a
     `StudentBatch` or `TeacherBatch`; token `j` predicted from position `j - 1`), 0 for a token
     that is no label. The lm_head runs over `rows` positions at a time, in float32."""
+    from crossdistill.losses.chunked import label_logprobs
     from crossdistill.models.attention import segments_of
     from crossdistill.models.forward import final_hidden
 
     dev = next(model.parameters()).device
     ids, pos = side.input_ids.to(dev), side.position_ids.to(dev)
     hidden = final_hidden(model, ids, pos, segments_of(side, dev)).flatten(0, 1)
-    weight = model.get_output_embeddings().weight.float()
+    weight = model.get_output_embeddings().weight
     labels = side.labels.to(dev).flatten()
-    out = torch.zeros(labels.numel(), dtype=torch.float64, device=dev)
-    for start in range(0, labels.numel(), rows):
-        lab = labels[start : start + rows]
-        keep = lab >= 0
-        if not keep.any():
-            continue
-        logits = hidden[start : start + rows][keep].float() @ weight.T
-        nll = -torch.log_softmax(logits, dim=-1).gather(1, lab[keep, None]).squeeze(1)
-        out[start : start + rows][keep] = nll.double() / LN2
-    return shifted(out.cpu().numpy())
+    logp = label_logprobs(hidden.float(), weight.float(), labels, rows)  # the loss's chunked pass
+    return shifted(-logp.double().cpu().numpy() / LN2)
 
 
 def partitions(batches: list[Any], text_class: np.ndarray) -> list[list[dict[str, np.ndarray]]]:
