@@ -55,6 +55,8 @@ CheckpointScope = Literal["block", "mlp", "selective"]
 CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 # the chunks that get a KD term (`TeacherConfig.kd_chunks`)
 KDChunks = Literal["all", "single_side"]
+# the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
+CEWithoutKD = Literal["ratio", "full"]
 # how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
 # in steps of 1/8 nat, or "none" (float32, exact)
 Quantization = Literal["int8", "none"]
@@ -199,6 +201,11 @@ class TrainConfig:
     steps: int = 1000
     grad_accum: int = 1
     kd_ratio: float = 0.5
+    # the CE weight of a token that no teacher gives a KD target (past the first student token
+    # of a cross teacher's chunk, a chunk that kd_chunks leaves out, the end of a window):
+    # "ratio" = 1 − kd_ratio, as on every other token; "full" = 1, the KD share that no teacher
+    # uses there goes to CE. A same-tokenizer teacher covers every token: no change there.
+    ce_without_kd: CEWithoutKD = "ratio"
     teacher_mode: Literal["weighted", "dynamic", "best"] = "weighted"
     eval_every: int = 200
     eval_batches: int = 20

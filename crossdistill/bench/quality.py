@@ -30,6 +30,7 @@ be followed while it goes.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -41,7 +42,14 @@ from crossdistill.bench import library_versions
 from crossdistill.bench.quality_corpus import bytes_per_token, share_path, write_corpus
 from crossdistill.bench.quality_report import Cell, summarize
 from crossdistill.bench.quality_spec import ARCH_KEYS, QualitySpec, Scale, cell_settings
-from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig, from_dict, to_dict
+from crossdistill.config import (
+    DISTRIBUTION_LOSSES,
+    Config,
+    TeacherConfig,
+    TrainConfig,
+    from_dict,
+    to_dict,
+)
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
 
@@ -89,6 +97,7 @@ def run_config(
     progress: bool = True,
     accum: int = 1,
     train_file: Path | None = None,
+    ce_without_kd: str = TrainConfig.ce_without_kd,
 ) -> Config:
     """One training run; `train_file` (default: all of the training text) is what it reads."""
     s = spec.scale
@@ -108,6 +117,7 @@ def run_config(
             "steps": steps,
             "grad_accum": accum,
             "kd_ratio": spec.kd_ratio if teachers else 0.0,
+            "ce_without_kd": ce_without_kd,
             "seed": seed,
             "eval_every": steps,
             "eval_batches": 1 << 30,  # the whole held-out split
@@ -197,11 +207,13 @@ class Experiment:
         for label in self.labels.values():
             for loss, target in cell_settings(spec.losses, spec.targets):
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
-                for chunks in spec.kd_chunks:
+                for chunks, ce in itertools.product(spec.kd_chunks, spec.ce_without_kd):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
                         name += f"-{chunks}"
-                    self.cells.append(Cell(name, label, loss, target, chunks))
+                    if ce != TrainConfig.ce_without_kd:
+                        name += f"-ce_{ce}"
+                    self.cells.append(Cell(name, label, loss, target, chunks, ce))
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
         self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
         self.teacher_paths: dict[tuple[str, int], Path] = {}  # (label, teacher seed) -> model
@@ -346,6 +358,7 @@ class Experiment:
             spec, self.data, run_dir, student, steps=s.student_steps, lr=s.student_lr,
             seq_len=s.seq_len, batch=s.student_batch, seed=seed, teachers=teachers,
             progress=False, train_file=student_train_file(self.data, s),
+            ce_without_kd=cell.ce_without_kd,
         )  # fmt: skip
 
         cross = cell.teacher not in (None, self.same_label)
@@ -400,6 +413,7 @@ class Experiment:
             "losses": self.spec.losses,
             "targets": self.spec.targets,
             "kd_chunks": self.spec.kd_chunks,
+            "ce_without_kd": self.spec.ce_without_kd,
             "kd_ratio": self.spec.kd_ratio,
             "top_k": self.spec.top_k,
             "temperature": self.spec.temperature,

@@ -16,7 +16,7 @@ from crossdistill.bench.quality import Experiment
 from crossdistill.bench.quality_corpus import PIECE_BYTES
 from crossdistill.bench.quality_report import plot_report, print_table
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size
-from crossdistill.config import LOSSES, TARGETS, KDChunks, TeacherConfig
+from crossdistill.config import LOSSES, TARGETS, CEWithoutKD, KDChunks, TeacherConfig, TrainConfig
 from crossdistill.data.cli import add_text_field_arg
 from crossdistill.errors import UserError
 
@@ -87,6 +87,14 @@ def add_parser(subparsers) -> None:
         default=None,
         help=f"the cross cells' teachers.N.kd_chunks (repeatable; default "
         f"{TeacherConfig.kd_chunks}): each cross cell runs under each",
+    )
+    p.add_argument(
+        "--ce-without-kd",
+        action="append",
+        choices=get_args(CEWithoutKD),
+        default=None,
+        help=f"the cross cells' train.ce_without_kd (repeatable; default "
+        f"{TrainConfig.ce_without_kd}): each cross cell runs under each",
     )
     p.add_argument("--kd-ratio", type=float, default=0.5)
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
@@ -190,6 +198,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
         targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
         kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
+        ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_ratio=args.kd_ratio,
         top_k=args.top_k,
         temperature=args.temperature,

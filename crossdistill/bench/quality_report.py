@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from crossdistill.config import TeacherConfig
+from crossdistill.config import TeacherConfig, TrainConfig
 
 
 @dataclass
@@ -24,6 +24,7 @@ class Cell:
     loss: str | None = None
     target: str = TeacherConfig.target
     kd_chunks: str = TeacherConfig.kd_chunks
+    ce_without_kd: str = TrainConfig.ce_without_kd
 
 
 def summarize(
@@ -137,6 +138,7 @@ def summarize(
             "loss": cell.loss,
             "target": cell.target,
             "kd_chunks": cell.kd_chunks,
+            "ce_without_kd": cell.ce_without_kd,
             "cell": cell.name,
             "bpb": _stats(cross),
             "beats_ce_every_seed": bool(cross)
@@ -298,6 +300,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" ({entry['target']}: {entry['chosen_target']})"
         if entry["kd_chunks"] != TeacherConfig.kd_chunks:
             label += f" kd_chunks {entry['kd_chunks']}"
+        if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
+            label += f" ce_without_kd {entry['ce_without_kd']}"
         gap = entry.get("gap_closed")
         gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
         means = entry.get("gap_closed_of_means")

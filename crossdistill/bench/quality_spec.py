@@ -9,7 +9,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
-from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, TARGETS, KDChunks, TeacherConfig
+from crossdistill.config import (
+    DISTRIBUTION_LOSSES,
+    LOSSES,
+    TARGETS,
+    CEWithoutKD,
+    KDChunks,
+    TeacherConfig,
+    TrainConfig,
+)
 from crossdistill.errors import UserError
 
 ARCH_KEYS = (
@@ -196,6 +204,8 @@ class QualitySpec:
     targets: list[str] = field(default_factory=lambda: [TeacherConfig.target])
     # the cross cells' `kd_chunks`: each cross cell runs under each
     kd_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.kd_chunks])
+    # the cross cells' `train.ce_without_kd`: each cross cell runs under each
+    ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     kd_ratio: float = 0.5
     top_k: int = TeacherConfig.top_k
     temperature: float = TeacherConfig.temperature
@@ -228,6 +238,12 @@ class QualitySpec:
         for name in self.kd_chunks:
             if name not in choices:
                 raise UserError(f"unknown --kd-chunks {name!r}; use one of {', '.join(choices)}")
+        choices = get_args(CEWithoutKD)
+        for name in self.ce_without_kd:
+            if name not in choices:
+                raise UserError(
+                    f"unknown --ce-without-kd {name!r}; use one of {', '.join(choices)}"
+                )
         if not 0.0 < self.kd_ratio <= 1.0:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:

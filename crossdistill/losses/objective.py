@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from crossdistill.config import CEWithoutKD
 from crossdistill.errors import UserError
 from crossdistill.losses.chunked import (
     ChunkedStudentLoss,
@@ -48,6 +49,7 @@ def student_loss(
     vocab: VocabShard | None = None,
     rows: RowShard | None = None,
     unit_upstream: bool = False,
+    ce_without_kd: CEWithoutKD = "ratio",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The student's loss on a flattened micro-batch, and detached metrics.
 
@@ -75,6 +77,9 @@ def student_loss(
     whole flattened batch. The loss, gradients and metrics are then this rank's parts, which sum
     over ranks to the single-device values.
 
+    `ce_without_kd`: the CE weight of a row that no KD term reaches (`build_plan`): "ratio",
+    1 − kd_ratio as on every row; "full", the KD share that no teacher uses there goes to CE.
+
     `unit_upstream=True` promises that the returned loss itself is backpropagated
     (`loss.backward()`, as the training step does): backward then skips scaling the gradients
     by the upstream gradient, a pass over the `[V, H]` weight gradient (checked on the device).
@@ -99,11 +104,12 @@ def student_loss(
                 "needs its whole vocabulary on each rank: use another target with student.parallel.tp > 1"
             )
         return sharded_student_loss(
-            hidden, lm_head_s, labels, terms, kd_ratio, ce_denominator, chunk_size, vocab, rows
-        )
+            hidden, lm_head_s, labels, terms, kd_ratio, ce_denominator, chunk_size, vocab, rows,
+            ce_without_kd,
+        )  # fmt: skip
 
     def build() -> Plan:
-        return build_plan(labels, terms, kd_ratio, ce_denominator, acc)
+        return build_plan(labels, terms, kd_ratio, ce_denominator, acc, ce_without_kd)
 
     if backend == "reference":
         plan = build()

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import get_args
 
 import torch
 from torch import Tensor
 
-from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES
+from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, CEWithoutKD
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
 from crossdistill.losses.lookahead import project_lookahead
@@ -204,7 +205,7 @@ class TermPlan:
 @dataclass
 class Plan:
     labels: Tensor  # [N] int64, −100 = ignore
-    ce_weight: Tensor  # [N] (1 − kd_ratio)/ce_denominator on labeled rows
+    ce_weight: Tensor  # [N] (1 − kd_ratio·share)/ce_denominator on labeled rows (build_plan)
     ce_report: Tensor  # [N] 1/ce_denominator on labeled rows
     terms: list[TermPlan]
     num_ce: Tensor
@@ -375,10 +376,21 @@ def build_plan(
     kd_ratio: float,
     ce_denominator: Tensor | float,
     dtype: torch.dtype,
+    ce_without_kd: CEWithoutKD = "ratio",
 ) -> Plan:
-    """Lay out CE and every KD term per student row; `dtype` is the accumulation dtype."""
+    """Lay out CE and every KD term per student row; `dtype` is the accumulation dtype.
+
+    `ce_without_kd` (`TrainConfig.ce_without_kd`): "ratio" weighs CE by 1 − kd_ratio on every
+    labeled row; "full" gives a row the KD share that no teacher uses there, so its CE weight
+    is 1 − kd_ratio·Σ_k w_k·covered_k / Σ_k w_k (a row is covered by a term when that term's
+    loss reaches the row's logits: its KD rows, or every row of its chunks for
+    chunk_likelihood)."""
     if not 0.0 <= kd_ratio <= 1.0:
         raise UserError(f"kd_ratio must be in [0, 1], got {kd_ratio}")
+    if ce_without_kd not in get_args(CEWithoutKD):
+        raise UserError(
+            f"ce_without_kd must be one of {', '.join(get_args(CEWithoutKD))}, got {ce_without_kd!r}"
+        )
     labels = labels_s.long()
     labeled = (labels >= 0).to(dtype)
     inv = safe_inverse(ce_denominator, dtype, labels.device)
@@ -387,13 +399,34 @@ def build_plan(
     for i, p in enumerate(plans):
         if names.count(p.name) > 1:
             p.name = f"{p.name}{i}"
+    share: Tensor | float = 1.0
+    if ce_without_kd == "full":
+        share = kd_share(plans, [t.weight for t in kd_terms], labels.shape[0], dtype)
     return Plan(
         labels=labels,
-        ce_weight=labeled * ((1.0 - kd_ratio) * inv),
+        ce_weight=labeled * ((1.0 - kd_ratio * share) * inv),
         ce_report=labeled * inv,
         terms=plans,
         num_ce=(labels >= 0).sum(),
     )
+
+
+def kd_share(
+    plans: list[TermPlan], weights: list[Tensor | float], num_rows: int, dtype: torch.dtype
+) -> Tensor:
+    """`[N]` the fraction of the teachers' weight whose KD term reaches each row's logits:
+    Σ_k w_k·covered_k / Σ_k w_k (0 everywhere when no teacher has weight)."""
+    share = torch.zeros(num_rows, dtype=dtype, device=plans[0].chunks.device if plans else None)
+    total = sum(weights, 0.0)
+    for p, w in zip(plans, weights):
+        if p.loss == "chunk_likelihood":  # its gradient reaches every row of each chunk
+            covered = student_rows_of_chunks(p.chunks, p.valid_chunks, num_rows) >= 0
+        else:
+            covered = _to_rows(p.valid_chunks, p.chunks[:, 0] - 1, p.valid_chunks, num_rows, False)
+        share = share + covered.to(dtype) * w
+    if isinstance(total, Tensor):
+        return torch.where(total > 0, share / total.to(dtype).clamp(min=1e-30), 0.0)
+    return share / total if total > 0 else torch.zeros_like(share)
 
 
 def student_rows_of_chunks(chunks: Tensor, valid: Tensor, num_rows: int) -> Tensor:

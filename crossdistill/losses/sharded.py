@@ -17,6 +17,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from crossdistill.config import CEWithoutKD
 from crossdistill.losses.chunked import (
     ChunkedStudentLoss,
     accumulate_dtype,
@@ -86,12 +87,13 @@ def sharded_student_loss(
     chunk_size: int,
     vocab: VocabShard | None,
     rows: RowShard | None,
+    ce_without_kd: CEWithoutKD = "ratio",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """`student_loss` with `hidden [n, H]` of this rank's rows (`rows`, or all), `labels [N]`
     and `terms` of the whole flattened batch, `lm_head` this rank's vocabulary rows (`vocab`,
     or all). The loss and metrics are this rank's parts: their sum over ranks is the value."""
     acc = accumulate_dtype(compute_dtype(hidden, lm_head))
-    plan = build_plan(labels, terms, kd_ratio, ce_denominator, acc)
+    plan = build_plan(labels, terms, kd_ratio, ce_denominator, acc, ce_without_kd)
     num_rows = labels.shape[0]
     if rows is None:
         owned = torch.ones(num_rows, dtype=torch.bool, device=labels.device)

@@ -60,6 +60,7 @@ class StepSettings:
     autocast: bool
     device: torch.device
     fused: bool | None = None  # the loss kernels: None = where they apply, False = PyTorch
+    ce_without_kd: str = "ratio"  # TrainConfig.ce_without_kd
 
     @classmethod
     def of(cls, train: TrainConfig, device: torch.device) -> StepSettings:
@@ -71,6 +72,7 @@ class StepSettings:
             autocast=device.type == "cuda",
             device=device,
             fused=None if train.loss_kernels == "auto" else False,
+            ce_without_kd=train.ce_without_kd,
         )
 
 
@@ -184,6 +186,7 @@ def train_step(
                 **shard_kwargs(rows, vocab),
                 unit_upstream=True,  # backpropagated as is
                 fused=settings.fused,
+                ce_without_kd=settings.ce_without_kd,
             )
         for name, value in metrics.items():
             total[name] = total.get(name, 0) + value.detach()

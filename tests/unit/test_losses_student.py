@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from crossdistill.errors import UserError
 from crossdistill.losses import (
     LOSSES,
     KDTerm,
@@ -149,12 +150,41 @@ def plain_binary_kl(lt, ls):
     return pt * (a - b) + (1 - pt) * (math.log(1 - pt) - torch.log(1 - ps))
 
 
-def plain_student_loss(hidden, weight, labels, terms, kd_ratio, ce_den):
-    """The whole objective with loops over tokens and chunks, in float64."""
+def plain_covered(term, labels):
+    """The rows whose logits the term's loss reaches, by a loop over its chunks."""
+    rows = set()
+    for c, (s0, s1, t0, t1) in enumerate(term.chunks.tolist()):
+        if term.chunk_mask is not None and not term.chunk_mask[c]:
+            continue
+        if term.loss != "chunk_likelihood":
+            if s0 > 0 and t0 > 0 and s1 > s0 and t1 > t0:
+                rows.add(s0 - 1)
+        elif (
+            s0 > 0
+            and min(labels[s0 - 1 : s1 - 1].tolist()) >= 0
+            and term.targets.next_valid[t0 - 1 : t1 - 1].all()
+        ):
+            rows.update(range(s0 - 1, s1 - 1))
+    return rows
+
+
+def plain_student_loss(hidden, weight, labels, terms, kd_ratio, ce_den, ce_without_kd="ratio"):
+    """The whole objective with loops over tokens and chunks, in float64. `ce_without_kd`
+    "full": a row's CE weight is 1 − kd_ratio times the share of the teachers' weight that
+    reaches it."""
     z = hidden.double() @ weight.double().t()
     logp = torch.log_softmax(z, -1)
-    ce = sum(-logp[r, labels[r]] for r in range(len(labels)) if labels[r] >= 0)
-    loss = (1 - kd_ratio) * ce / max(ce_den, 1)
+    covered = [plain_covered(t, labels) for t in terms]
+    total_w = sum(float(t.weight) for t in terms)
+
+    def ce_coef(r):
+        if ce_without_kd == "ratio":
+            return 1 - kd_ratio
+        share = sum(float(t.weight) for t, rows in zip(terms, covered) if r in rows)
+        return 1 - kd_ratio * (share / total_w if total_w > 0 else 0.0)
+
+    ce = sum(-logp[r, labels[r]] * ce_coef(r) for r in range(len(labels)) if labels[r] >= 0)
+    loss = ce / max(ce_den, 1)
     for term in terms:
         tg, tau = term.targets, term.temperature
         kd = 0.0
@@ -187,11 +217,16 @@ def terms_for(loss, seed=0, tau=1.0, **problem):
     return hidden, weight, labels, [term]
 
 
-def run(backend, hidden, weight, labels, terms, kd_ratio=0.6, chunk_size=4, ce_den=None):
+def run(
+    backend, hidden, weight, labels, terms, kd_ratio=0.6, chunk_size=4, ce_den=None,
+    ce_without_kd="ratio",
+):  # fmt: skip
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     den = ce_count(labels) if ce_den is None else ce_den
-    loss, metrics = student_loss(h, w, labels, terms, kd_ratio, den, chunk_size, backend)
+    loss, metrics = student_loss(
+        h, w, labels, terms, kd_ratio, den, chunk_size, backend, ce_without_kd=ce_without_kd
+    )
     loss.backward()
     return loss.detach(), h.grad, w.grad, metrics
 
@@ -250,6 +285,36 @@ def test_several_teachers_with_their_own_temperatures_match_plain():
         assert abs(got.item() - want.item()) <= 1e-10 * want.item()
         assert rel(got_h, gh) < 1e-10 and rel(got_w, gw) < 1e-10
         assert {f"kd/{t.name}" for t in terms} <= set(metrics)
+
+
+@pytest.mark.parametrize("loss", ["forward_kl", "chunk_likelihood"])
+def test_full_ce_where_no_teacher_reaches_matches_plain_float64(loss):
+    """`ce_without_kd="full"`: rows no KD term reaches (later tokens of a chunk, masked chunks)
+    get CE weight 1, covered rows 1 − kd_ratio; two teachers cover different rows."""
+    hidden, weight, labels, (first,) = terms_for(loss, seed=5)
+    _, _, _, (second,) = terms_for("jsd", seed=6)
+    second = _rebase(second, labels)
+    first.chunk_mask = torch.arange(first.chunks.shape[0]) % 3 != 1
+    first.denominator = kd_count(first, labels).double()
+    first.weight, second.weight = 0.75, 0.25
+    h = hidden.clone().requires_grad_(True)
+    w = weight.clone().requires_grad_(True)
+    den = int(ce_count(labels))
+    for terms in ([first], [first, second]):
+        # the case can fail: some labeled rows are covered by no term, some by one of two
+        rows = set().union(*(plain_covered(t, labels) for t in terms))
+        labeled = {r for r in range(len(labels)) if labels[r] >= 0}
+        assert labeled - rows and labeled & rows
+        want = plain_student_loss(h, w, labels, terms, 0.6, den, "full")
+        ratio = plain_student_loss(h, w, labels, terms, 0.6, den)
+        assert want.item() > ratio.item() * (1 + 1e-3)
+        gh, gw = torch.autograd.grad(want, (h, w))
+        for backend in ("chunked", "reference"):
+            got, got_h, got_w, _ = run(backend, hidden, weight, labels, terms, 0.6, 3, None, "full")
+            assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
+            assert rel(got_h, gh) < 1e-10 and rel(got_w, gw) < 1e-10
+    with pytest.raises(UserError, match="ce_without_kd must be one of ratio, full"):
+        run("chunked", hidden, weight, labels, [first], ce_without_kd="half")
 
 
 def _rebase(term, labels):
@@ -333,6 +398,11 @@ def test_identical_tokenizers_reduce_to_the_ordinary_loss(loss, tau):
         )
         assert abs(got.item() - want.item()) <= 1e-10 * want.item()
         assert rel(got_h, gh) < 1e-10 and rel(got_w, gw) < 1e-10
+        # the teacher covers every labeled row: giving CE the uncovered rows' KD share is
+        # the same objective, to the bit
+        full = run(backend, hidden, weight, labels, [term], 0.6, 4, None, "full")
+        ratio = run(backend, hidden, weight, labels, [term], 0.6, 4, None, "ratio")
+        assert all(torch.equal(a, b) for a, b in zip(full[:3], ratio[:3]))
 
 
 def test_top1_agreement_and_aligned_nll_metrics():

@@ -197,6 +197,17 @@ def test_paired_changes_against_ce_and_the_first_target(tmp_path):
     print_table(report, file=buffer)
     assert "cross KD qwen3 kl kd_chunks single_side" in buffer.getvalue()
     assert "vs cross-qwen3-kl, paired:" in buffer.getvalue()
+    # so is a ce_without_kd cell
+    name = "cross-qwen3-kl-single_side-ce_full"
+    cells.append(Cell(name, "qwen3", "kl", kd_chunks="single_side", ce_without_kd="full"))
+    runs[name] = {0: 1.7, 1: 1.9, 2: 1.95}
+    report = summarize({"llama3": 1.0, "qwen3": 1.0}, runs, cells, "llama3", _spec(tmp_path))
+    fourth = report["cross"][3]
+    assert fourth["ce_without_kd"] == "full" and fourth["change_vs_target"]["better"] == 2
+    assert report["cross"][2]["ce_without_kd"] == "ratio"
+    buffer = io.StringIO()
+    print_table(report, file=buffer)
+    assert "cross KD qwen3 kl kd_chunks single_side ce_without_kd full" in buffer.getvalue()
 
 
 def test_teachers_too_far_apart_refuse_the_pair(tmp_path):
@@ -311,18 +322,20 @@ def test_auto_is_resolved_and_reported_for_the_projected_losses_only(tmp_path, t
     assert exp.chosen == {"cross-llama2-forward_kl": "first_piece"}
 
 
-def test_kd_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
-    """`--kd-chunks all --kd-chunks single_side`: each cross cell runs under each, and the
-    option reaches the run's teacher; a run saved before the option existed is still the same
-    run as the default's (so a rerun reuses it)."""
+def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
+    """`--kd-chunks all --kd-chunks single_side --ce-without-kd ratio --ce-without-kd full`:
+    each cross cell runs under each pair, and the options reach the run's teacher and training
+    settings; a run saved before the options existed is still the same run as the default's
+    (so a rerun reuses it)."""
     from pathlib import Path
 
     from crossdistill.bench.quality import Experiment, model_entry
     from crossdistill.train.demo import _saved_config
 
     teacher_tok = str(tokenizer_dir("llama2"))
-    spec = parsed_spec(tmp_path, "--kd-chunks", "all", "--kd-chunks", "single_side")
-    assert spec.kd_chunks == ["all", "single_side"]
+    spec = parsed_spec(tmp_path, "--kd-chunks", "all", "--kd-chunks", "single_side",
+                       "--ce-without-kd", "ratio", "--ce-without-kd", "full")  # fmt: skip
+    assert spec.kd_chunks == ["all", "single_side"] and spec.ce_without_kd == ["ratio", "full"]
     spec = replace(spec, student_tokenizer=str(tokenizer_dir("gpt2")),
                    teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
                    seeds=2, targets=["first_piece"])  # fmt: skip
@@ -331,19 +344,27 @@ def test_kd_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
     exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
     student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
     names = [cell.name for cell in exp.cells]
-    assert names == ["ce", "same", "cross-llama2-forward_kl-first_piece",
-                     "cross-llama2-forward_kl-first_piece-single_side"]  # fmt: skip
+    base = "cross-llama2-forward_kl-first_piece"
+    assert names == ["ce", "same", base, f"{base}-ce_full", f"{base}-single_side",
+                     f"{base}-single_side-ce_full"]  # fmt: skip
     runs = {cell.name: exp._student(cell, student, seed=0).cfg for cell in exp.cells}
-    every, single = runs[names[2]], runs[names[3]]
+    every, single = runs[base], runs[f"{base}-single_side-ce_full"]
     assert every.teachers[0].kd_chunks == "all" and single.teachers[0].kd_chunks == "single_side"
+    assert every.train.ce_without_kd == "ratio" and single.train.ce_without_kd == "full"
+    assert runs[f"{base}-ce_full"].teachers[0].kd_chunks == "all"
+    assert runs[f"{base}-ce_full"].train.ce_without_kd == "full"
     assert runs["same"].teachers[0].kd_chunks == "all"
+    assert runs["same"].train.ce_without_kd == runs["ce"].train.ce_without_kd == "ratio"
     saved = tmp_path / "config.json"
     raw = to_dict(every)
     raw["teachers"][0].pop("kd_chunks")
+    raw["train"].pop("ce_without_kd")
     saved.write_text(json.dumps(raw))
     assert _saved_config(saved) == to_dict(every)
     with pytest.raises(UserError, match="unknown --kd-chunks 'both'"):
         replace(spec, kd_chunks=["both"]).check()
+    with pytest.raises(UserError, match="unknown --ce-without-kd 'half'; use one of ratio, full"):
+        replace(spec, ce_without_kd=["half"]).check()
 
 
 def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):

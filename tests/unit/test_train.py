@@ -312,3 +312,25 @@ def test_out_of_gpu_memory_is_one_line_naming_the_settings(capsys):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert "out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB." in err
     assert "data.micro_batch_size" in err and "student.activation_checkpointing=true" in err
+
+
+def test_ce_without_kd_reaches_the_loss_from_the_config(corpus, tmp_path, tokenizer_dir):
+    """`train.ce_without_kd: full` with a Llama-2 teacher: the student's first step has the
+    same CE, and a larger loss by kd_ratio × the CE of the tokens no KD term reaches."""
+    teachers = [_teacher(tokenizer_dir, "llama2", "llama2", 32000, kd_chunks="single_side")]
+    first = {}
+    for mode in ("ratio", "full"):
+        cfg = _cfg(
+            corpus, tmp_path / mode, tokenizer_dir, teachers,
+            steps=1, grad_accum=1, eval_every=100, checkpoint_every=100, ce_without_kd=mode,
+        )  # fmt: skip
+        train(cfg)
+        (first[mode],) = [r for r in read_metrics(tmp_path / mode / "metrics.jsonl") if "loss" in r]
+    ratio, full = first["ratio"], first["full"]
+    assert full["ce"] == ratio["ce"] and full["num_kd/llama2"] < full["num_ce"]
+    # the uncovered rows' CE weight goes from 1 − kd_ratio to 1: at most kd_ratio × CE more
+    assert ratio["loss"] + 0.1 < full["loss"] < ratio["loss"] + 0.5 * ratio["ce"]
+    with pytest.raises(
+        UserError, match=r"train.ce_without_kd: 'half' is not one of \['ratio', 'full'\]"
+    ):
+        _cfg(corpus, tmp_path / "bad", tokenizer_dir, teachers, ce_without_kd="half")
