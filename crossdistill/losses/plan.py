@@ -401,7 +401,7 @@ def build_plan(
             p.name = f"{p.name}{i}"
     share: Tensor | float = 1.0
     if ce_without_kd == "full":
-        share = kd_share(plans, [t.weight for t in kd_terms], labels.shape[0], dtype)
+        share = kd_share(plans, [t.weight for t in kd_terms], labels, dtype)
     return Plan(
         labels=labels,
         ce_weight=labeled * ((1.0 - kd_ratio * share) * inv),
@@ -412,11 +412,12 @@ def build_plan(
 
 
 def kd_share(
-    plans: list[TermPlan], weights: list[Tensor | float], num_rows: int, dtype: torch.dtype
+    plans: list[TermPlan], weights: list[Tensor | float], labels: Tensor, dtype: torch.dtype
 ) -> Tensor:
     """`[N]` the fraction of the teachers' weight whose KD term reaches each row's logits:
     Σ_k w_k·covered_k / Σ_k w_k (0 everywhere when no teacher has weight)."""
-    share = torch.zeros(num_rows, dtype=dtype, device=plans[0].chunks.device if plans else None)
+    num_rows = labels.shape[0]
+    share = torch.zeros(num_rows, dtype=dtype, device=labels.device)
     total = sum(weights, 0.0)
     for p, w in zip(plans, weights):
         if p.loss == "chunk_likelihood":  # its gradient reaches every row of each chunk

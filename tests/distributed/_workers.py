@@ -107,11 +107,18 @@ LOSSES = [
 METRICS = ["ce", "kd/teacher", "top1/teacher", "nll_s/teacher", "nll_t/teacher"]
 
 
-def _reference(h, w, labels, term):
+# the losses also checked under train.ce_without_kd "full" (KD at one row, at a chunk's rows)
+FULL_CE_LOSSES = ["forward_kl", "chunk_likelihood"]
+
+
+def _reference(h, w, labels, term, ce_without_kd="ratio"):
     from crossdistill.losses import student_loss
 
     h, w = h.clone().requires_grad_(), w.clone().requires_grad_()
-    loss, m = student_loss(h, w, labels, [term], kd_ratio=0.6, ce_denominator=31.0, chunk_size=9)
+    loss, m = student_loss(
+        h, w, labels, [term], kd_ratio=0.6, ce_denominator=31.0, chunk_size=9,
+        ce_without_kd=ce_without_kd,
+    )  # fmt: skip
     loss.backward()
     return loss.detach(), m, h.grad, w.grad
 
@@ -122,38 +129,40 @@ def vocab_parallel_errors() -> dict[str, float]:
     from crossdistill.losses import student_loss, teacher_targets
 
     errors = {}
-    for loss_name in LOSSES:
-        for tau in (1.0, 2.0):
-            h, w, labels, term, (h_t, w_t, kd_t, next_t) = _loss_inputs(loss_name, tau)
-            ref_loss, ref_m, ref_gh, ref_gw = _reference(h, w, labels, term)
-            shard = vocab_shard(w.shape[0], dist.group.WORLD)
-            cols = slice(shard.start, shard.start + shard.size)
-            h2, w2 = h.clone().requires_grad_(), w[cols].clone().requires_grad_()
-            loss, m = student_loss(
-                h2, w2, labels, [term], kd_ratio=0.6, ce_denominator=31.0, chunk_size=9, vocab=shard
-            )
-            loss.backward()
-            key = f"tp/{loss_name}/{tau}"
-            errors[f"{key}/loss"] = _rel(loss, ref_loss)
-            errors[f"{key}/grad_h"] = _rel(h2.grad, ref_gh)
-            errors[f"{key}/grad_w"] = _rel(w2.grad, ref_gw[cols])
-            for name in METRICS:
-                errors[f"{key}/{name}"] = _rel(m[name], ref_m[name])
-            shard_t = vocab_shard(w_t.shape[0], dist.group.WORLD)
-            rows_t = slice(shard_t.start, shard_t.start + shard_t.size)
-            full = teacher_targets(h_t, w_t, kd_t, next_t, top_k=8, temperature=tau, chunk_size=7)
-            part = teacher_targets(
-                h_t,
-                w_t[rows_t],
-                kd_t,
-                next_t,
-                top_k=8,
-                temperature=tau,
-                chunk_size=7,
-                vocab=shard_t,
-            )
-            for field, value in full.tensors().items():
-                errors[f"targets/{tau}/{field}"] = _rel(part.tensors()[field], value)
+    cases = [(name, tau, "ratio") for name in LOSSES for tau in (1.0, 2.0)]
+    cases += [(name, 1.0, "full") for name in FULL_CE_LOSSES]
+    for loss_name, tau, ce_mode in cases:
+        h, w, labels, term, (h_t, w_t, kd_t, next_t) = _loss_inputs(loss_name, tau)
+        ref_loss, ref_m, ref_gh, ref_gw = _reference(h, w, labels, term, ce_mode)
+        shard = vocab_shard(w.shape[0], dist.group.WORLD)
+        cols = slice(shard.start, shard.start + shard.size)
+        h2, w2 = h.clone().requires_grad_(), w[cols].clone().requires_grad_()
+        loss, m = student_loss(
+            h2, w2, labels, [term], kd_ratio=0.6, ce_denominator=31.0, chunk_size=9,
+            vocab=shard, ce_without_kd=ce_mode,
+        )  # fmt: skip
+        loss.backward()
+        key = f"tp/{loss_name}/{tau}" + ("" if ce_mode == "ratio" else f"/ce_{ce_mode}")
+        errors[f"{key}/loss"] = _rel(loss, ref_loss)
+        errors[f"{key}/grad_h"] = _rel(h2.grad, ref_gh)
+        errors[f"{key}/grad_w"] = _rel(w2.grad, ref_gw[cols])
+        for name in METRICS:
+            errors[f"{key}/{name}"] = _rel(m[name], ref_m[name])
+        shard_t = vocab_shard(w_t.shape[0], dist.group.WORLD)
+        rows_t = slice(shard_t.start, shard_t.start + shard_t.size)
+        full = teacher_targets(h_t, w_t, kd_t, next_t, top_k=8, temperature=tau, chunk_size=7)
+        part = teacher_targets(
+            h_t,
+            w_t[rows_t],
+            kd_t,
+            next_t,
+            top_k=8,
+            temperature=tau,
+            chunk_size=7,
+            vocab=shard_t,
+        )
+        for field, value in full.tensors().items():
+            errors[f"targets/{tau}/{field}"] = _rel(part.tensors()[field], value)
     return _max_over_ranks(errors)
 
 
@@ -171,17 +180,19 @@ def context_parallel_errors() -> dict[str, float]:
         return x
 
     errors = {}
-    for loss_name in LOSSES:
+    cases = [(name, "ratio") for name in LOSSES] + [(name, "full") for name in FULL_CE_LOSSES]
+    for loss_name, ce_mode in cases:
         h, w, labels, term, _ = _loss_inputs(loss_name, 1.5)
-        ref_loss, ref_m, ref_gh, ref_gw = _reference(h, w, labels, term)
+        ref_loss, ref_m, ref_gh, ref_gw = _reference(h, w, labels, term, ce_mode)
         rows = global_rows(2, 16, size, rank)
         shard = RowShard(rows, h.shape[0], total)
         h2, w2 = h[rows].clone().requires_grad_(), w.clone().requires_grad_()
         loss, m = student_loss(
-            h2, w2, labels, [term], kd_ratio=0.6, ce_denominator=31.0, chunk_size=9, rows=shard
-        )
+            h2, w2, labels, [term], kd_ratio=0.6, ce_denominator=31.0, chunk_size=9, rows=shard,
+            ce_without_kd=ce_mode,
+        )  # fmt: skip
         loss.backward()
-        key = f"cp/{loss_name}"
+        key = f"cp/{loss_name}" + ("" if ce_mode == "ratio" else f"/ce_{ce_mode}")
         errors[f"{key}/loss"] = _rel(total(loss.detach().clone()), ref_loss)
         errors[f"{key}/grad_h"] = _rel(h2.grad, ref_gh[rows])
         errors[f"{key}/grad_w"] = _rel(total(w2.grad.clone()), ref_gw)

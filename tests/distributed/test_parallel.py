@@ -104,6 +104,7 @@ def test_training_moves_the_loss(setup):
 def test_vocab_parallel_loss_and_targets_match_one_device(two):
     tp = {k: v for k, v in two["loss"].items() if k.startswith(("tp/", "targets/"))}
     assert len(tp) >= 8 * 2 * 8
+    assert {"tp/forward_kl/1.0/ce_full/loss", "tp/chunk_likelihood/1.0/ce_full/grad_w"} <= set(tp)
     bad = {k: v for k, v in tp.items() if not v <= 1e-10}
     assert not bad, bad
 
@@ -111,6 +112,7 @@ def test_vocab_parallel_loss_and_targets_match_one_device(two):
 def test_context_parallel_loss_matches_one_device(two):
     cp = {k: v for k, v in two["loss"].items() if k.startswith("cp/")}
     assert len(cp) >= 8 * 8
+    assert {"cp/forward_kl/ce_full/loss", "cp/chunk_likelihood/ce_full/grad_h"} <= set(cp)
     bad = {k: v for k, v in cp.items() if not v <= 1e-10}
     assert not bad, bad
 
