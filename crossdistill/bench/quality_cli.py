@@ -80,22 +80,18 @@ def add_parser(subparsers) -> None:
         help=f"the projected losses' target (repeatable; default {TeacherConfig.target}): each "
         "projected loss runs under each target, the other losses once",
     )
-    p.add_argument(
-        "--kd-chunks",
-        action="append",
-        choices=get_args(KDChunks),
-        default=None,
-        help=f"the cross cells' teachers.N.kd_chunks (repeatable; default "
-        f"{TeacherConfig.kd_chunks}): each cross cell runs under each",
-    )
-    p.add_argument(
-        "--ce-without-kd",
-        action="append",
-        choices=get_args(CEWithoutKD),
-        default=None,
-        help=f"the cross cells' train.ce_without_kd (repeatable; default "
-        f"{TrainConfig.ce_without_kd}): each cross cell runs under each",
-    )
+    for flag, choices, setting, default in (
+        ("--kd-chunks", KDChunks, "teachers.N.kd_chunks", TeacherConfig.kd_chunks),
+        ("--ce-without-kd", CEWithoutKD, "train.ce_without_kd", TrainConfig.ce_without_kd),
+    ):
+        p.add_argument(
+            flag,
+            action="append",
+            choices=get_args(choices),
+            default=None,
+            help=f"the cross cells' {setting} (repeatable; default {default}): each cross cell "
+            "runs under each",
+        )
     p.add_argument("--kd-ratio", type=float, default=0.5)
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)

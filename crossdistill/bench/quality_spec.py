@@ -234,16 +234,14 @@ class QualitySpec:
         for name in self.targets:
             if name not in TARGETS:
                 raise UserError(f"unknown --target {name!r}; use one of {', '.join(TARGETS)}")
-        choices = get_args(KDChunks)
-        for name in self.kd_chunks:
-            if name not in choices:
-                raise UserError(f"unknown --kd-chunks {name!r}; use one of {', '.join(choices)}")
-        choices = get_args(CEWithoutKD)
-        for name in self.ce_without_kd:
-            if name not in choices:
-                raise UserError(
-                    f"unknown --ce-without-kd {name!r}; use one of {', '.join(choices)}"
-                )
+        for flag, names, kind in (
+            ("--kd-chunks", self.kd_chunks, KDChunks),
+            ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),
+        ):
+            choices = get_args(kind)
+            for name in names:
+                if name not in choices:
+                    raise UserError(f"unknown {flag} {name!r}; use one of {', '.join(choices)}")
         if not 0.0 < self.kd_ratio <= 1.0:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:
