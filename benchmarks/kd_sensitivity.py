@@ -31,6 +31,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import get_args
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -47,6 +48,8 @@ def run_seed(
     student_lr: float | None = None,
     student_bytes: int | None = None,
     teacher_steps: int | None = None,
+    kd_chunks: tuple[str, ...] = ("all",),
+    ce_without_kd: tuple[str, ...] = ("ratio",),
 ) -> dict:
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
@@ -97,9 +100,13 @@ def run_seed(
 
     score(student_stage(f"student_ce{lr_tag}"), f"ce_only{lr_tag}")
     k = top_k or demo.DEMO["top_k"]
-    for name, loss, target in itertools.product(which, losses, targets):
+    for name, loss, target, chunks, ce in itertools.product(
+        which, losses, targets, kd_chunks, ce_without_kd
+    ):
         if target != "first_piece" and loss not in DISTRIBUTION_LOSSES:
             continue  # the other targets change the projected losses only
+        if name == "same" and (chunks, ce) != ("all", "ratio"):
+            continue  # one tokenizer: every chunk one token on each side, nothing changes
         entry = {
             "name": "teacher",
             "path": str(out / f"teacher_{name}{t_tag}" / "final"),
@@ -108,18 +115,23 @@ def run_seed(
             "target": target,
             "top_k": k,
             "temperature": 1.0,
+            "kd_chunks": chunks,
         }
         tag = name if loss == "forward_kl" else f"{name}_{loss}"
         tag += "" if target == "first_piece" else f"_{target}"
+        tag += ("" if chunks == "all" else f"_{chunks}") + ("" if ce == "ratio" else f"_ce{ce}")
         tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + t_tag + lr_tag
         for ratio in kd_ratios:
             cfg = student_stage(f"kd_{tag}_{ratio}", [entry])
             cfg.train.kd_ratio = ratio
+            cfg.train.ce_without_kd = ce
             score(cfg, f"kd_{tag}_{ratio}")
     return result
 
 
 def main() -> int:
+    from crossdistill.config import CEWithoutKD, KDChunks
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -129,6 +141,20 @@ def main() -> int:
     p.add_argument("--teachers", nargs="+", default=["cross", "same"], choices=["cross", "same"])
     p.add_argument(
         "--targets", nargs="+", default=["first_piece"], help="projected losses' targets"
+    )
+    p.add_argument(
+        "--kd-chunks",
+        nargs="+",
+        default=["all"],
+        choices=get_args(KDChunks),
+        help="the cross students' teachers.N.kd_chunks",
+    )
+    p.add_argument(
+        "--ce-without-kd",
+        nargs="+",
+        default=["ratio"],
+        choices=get_args(CEWithoutKD),
+        help="the cross students' train.ce_without_kd",
     )
     p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
     p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
@@ -164,6 +190,8 @@ def main() -> int:
                 args.student_lr,
                 student_bytes,
                 args.teacher_steps,
+                tuple(args.kd_chunks),
+                tuple(args.ce_without_kd),
             )
         )
         print(json.dumps(rows[-1]), flush=True)
