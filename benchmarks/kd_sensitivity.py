@@ -142,20 +142,14 @@ def main() -> int:
     p.add_argument(
         "--targets", nargs="+", default=["first_piece"], help="projected losses' targets"
     )
-    p.add_argument(
-        "--kd-chunks",
-        nargs="+",
-        default=["all"],
-        choices=get_args(KDChunks),
-        help="the cross students' teachers.N.kd_chunks",
-    )
-    p.add_argument(
-        "--ce-without-kd",
-        nargs="+",
-        default=["ratio"],
-        choices=get_args(CEWithoutKD),
-        help="the cross students' train.ce_without_kd",
-    )
+    for flag, kind, default, setting in (
+        ("--kd-chunks", KDChunks, "all", "teachers.N.kd_chunks"),
+        ("--ce-without-kd", CEWithoutKD, "ratio", "train.ce_without_kd"),
+    ):
+        p.add_argument(
+            flag, nargs="+", default=[default], choices=get_args(kind),
+            help=f"the cross students' {setting}",
+        )  # fmt: skip
     p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
     p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
     p.add_argument(

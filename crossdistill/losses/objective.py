@@ -1,6 +1,8 @@
 """The student objective: `(1 − kd_ratio)·ce + kd_ratio·Σ_k w_k·kd_k`, each term a sum over
 valid positions divided by a global count that the caller passes in (all micro-batches and
-ranks), so loss and gradient do not depend on how the global batch is split."""
+ranks), so loss and gradient do not depend on how the global batch is split. Under
+`ce_without_kd="full"` a row that no KD term reaches has CE weight 1 instead of 1 − kd_ratio;
+the per-row CE weights are laid out once, in `plan.build_plan`."""
 
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from crossdistill.config import TrainConfig
+from crossdistill.config import CEWithoutKD, TrainConfig
 from crossdistill.distributed.runtime import (
     Placement,
     TeacherSlot,
@@ -60,7 +60,7 @@ class StepSettings:
     autocast: bool
     device: torch.device
     fused: bool | None = None  # the loss kernels: None = where they apply, False = PyTorch
-    ce_without_kd: str = "ratio"  # TrainConfig.ce_without_kd
+    ce_without_kd: CEWithoutKD = "ratio"  # TrainConfig.ce_without_kd
 
     @classmethod
     def of(cls, train: TrainConfig, device: torch.device) -> StepSettings:
