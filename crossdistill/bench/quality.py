@@ -50,6 +50,7 @@ from crossdistill.config import (
     from_dict,
     to_dict,
 )
+from crossdistill.errors import UserError
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
 
@@ -156,6 +157,12 @@ class Job:
         self.bpb = bpb
         self.on_done(bpb)
 
+    @property
+    def name(self) -> str:
+        """The cell and its seeds, as the log and an error name the run."""
+        seeds = {"teacher seed": self.teacher_seed, "seed": self.seed}
+        return self.cell + "".join(f" {k} {v}" for k, v in seeds.items() if v is not None)
+
 
 def chosen_target(cfg: Config) -> str:
     """What `target: auto` of the run `cfg`'s one teacher chooses, as the run will."""
@@ -174,17 +181,82 @@ def train_one(raw: dict[str, Any]) -> float:
     return run_stage(from_dict(Config, raw), reuse=True)["val/bpb/student"]
 
 
-def train_many(cfgs: dict[Any, Config], jobs: int) -> Iterator[tuple[Any, float]]:
+def train_many(
+    cfgs: dict[Any, Config], jobs: int, run: Callable[[dict[str, Any]], float] = train_one
+) -> Iterator[tuple[Any, float]]:
     """Train every config, `jobs` at a time, each in a fresh spawned process (no CUDA state
-    crosses a fork); yields `(key, held-out bits per byte)` as each run finishes."""
+    crosses a fork); yields `(key, run(config as a dict))` as each run finishes.
+
+    A run that raises, or whose process ends without a result (killed, out of memory, or it
+    could not start), stops the experiment at once with its key and reason, and the runs still
+    going are stopped with it: nothing waits for a process that will never report. (The
+    standard library's process pool does wait, on Python 3.11 and 3.12, when a replacement
+    worker fails to start.) A user error in a run is raised as one, so it stays one line."""
     import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from multiprocessing.connection import wait
 
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(jobs, context, max_tasks_per_child=1) as pool:
-        futures = {pool.submit(train_one, to_dict(cfg)): key for key, cfg in cfgs.items()}
-        for future in as_completed(futures):
-            yield futures[future], future.result()
+    pending = list(cfgs.items())[::-1]
+    running: dict[Any, tuple[Any, Any, Any]] = {}  # sentinel -> (key, process, result pipe)
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                key, cfg = pending.pop()
+                receive, send = context.Pipe(duplex=False)
+                process = context.Process(target=_child_run, args=(run, to_dict(cfg), send))
+                process.start()
+                send.close()  # the child holds the only sending end: its exit ends the pipe
+                running[process.sentinel] = (key, process, receive)
+            for sentinel in wait(list(running)):
+                key, process, receive = running.pop(sentinel)
+                try:
+                    result = receive.recv()  # sent before the process ended, or nothing
+                except EOFError:
+                    result = None
+                receive.close()
+                process.join()
+                yield key, _child_result(key, result, process.exitcode)
+    finally:
+        for _, process, receive in running.values():
+            process.terminate()
+            receive.close()
+        for _, process, _ in running.values():
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _child_run(run: Callable[[dict[str, Any]], float], raw: dict[str, Any], send: Any) -> None:
+    """A spawned process of `train_many`: one run, its result or its error sent back."""
+    import traceback
+
+    try:
+        message: tuple[str, Any] = ("ok", run(raw))
+    except UserError as e:
+        message = ("user_error", str(e))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        lines = traceback.format_exception(e)
+        message = ("error", "".join(lines)[-4000:])  # a pipe's buffer holds it whole
+    send.send(message)
+    send.close()
+
+
+def _child_result(key: Any, message: tuple[str, Any] | None, exitcode: int | None) -> float:
+    """What one of `train_many`'s processes reported, or the error that says why it did not."""
+    if message is None:
+        signalled = exitcode is not None and exitcode < 0
+        how = f"killed by signal {-exitcode}" if signalled else f"exit code {exitcode}"
+        raise RuntimeError(
+            f"run {key}: its process ended ({how}) without a result, before or during training"
+            " (out of memory?); the finished runs are kept: rerun the same command to go on"
+        )
+    kind, value = message
+    if kind == "user_error":
+        raise UserError(f"run {key}: {value}")
+    if kind == "error":
+        raise RuntimeError(f"run {key} failed; its traceback:\n{value}")
+    return value
 
 
 class Experiment:
@@ -285,9 +357,11 @@ class Experiment:
         for job in jobs:
             self.log(f"[quality] {job.describe}")
         start = time.perf_counter()
-        for i, bpb in train_many({i: job.cfg for i, job in enumerate(jobs)}, self.spec.jobs):
-            jobs[i].done(bpb)
-            self._record(jobs[i], start)
+        by_name = {job.name: job for job in jobs}
+        assert len(by_name) == len(jobs), "two runs of one name"
+        for name, bpb in train_many({n: job.cfg for n, job in by_name.items()}, self.spec.jobs):
+            by_name[name].done(bpb)
+            self._record(by_name[name], start)
 
     def _teacher(
         self, path: str, label: str, vocab: int, seq_len: int, bpt: float, seed: int
@@ -390,12 +464,7 @@ class Experiment:
         row["seconds"] = round(time.perf_counter() - start, 1)
         with open(self.out / "cells.jsonl", "a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        where = "".join(
-            f" {k.replace('_', ' ')} {row[k]}" for k in ("teacher_seed", "seed") if k in row
-        )
-        self.log(
-            f"[quality] {row['cell']}{where}: {row['bpb']:.4f} bits per byte ({row['seconds']} s)"
-        )
+        self.log(f"[quality] {job.name}: {row['bpb']:.4f} bits per byte ({row['seconds']} s)")
         self.report()
 
     def report(self) -> dict[str, Any]:

@@ -1,0 +1,108 @@
+"""`bench quality --jobs N`: the runs in processes of their own, and what happens when one of
+them fails, is killed, or cannot start. Real spawned processes; the run itself is injected (the
+functions below), since what is tested is the scheduling and the reporting; real training runs
+go through the same processes in `test_quality_bench.py`'s `student_noise.py` test."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from crossdistill.bench.quality import train_many
+from crossdistill.config import Config
+from crossdistill.errors import UserError
+
+
+def _cfg(seed: int, out: Path | None = None) -> Config:
+    cfg = Config()
+    cfg = replace(cfg, train=replace(cfg.train, seed=seed))
+    return replace(cfg, run=replace(cfg.run, out_dir=str(out))) if out else cfg
+
+
+def pid_and_seed(raw) -> float:
+    """The run's process and its config's seed, in one number."""
+    return os.getpid() * 1000 + raw["train"]["seed"]
+
+
+def fails_on_seed_1(raw) -> float:
+    if raw["train"]["seed"] == 1:
+        raise ValueError("the loss is NaN at step 3")
+    return 0.5
+
+
+def user_error_on_seed_1(raw) -> float:
+    if raw["train"]["seed"] == 1:
+        raise UserError("corpus.jsonl: line 2 is not JSON; fix or remove it")
+    return 0.5
+
+
+def killed_on_seed_1_others_sleep(raw) -> float:
+    """Seed 1 dies as the kernel's out-of-memory killer would end it; the others write their
+    process id where the test can find it and sleep far past the test's time limit."""
+    if raw["train"]["seed"] == 1:
+        time.sleep(1.0)  # the sleepers are running by then
+        os.kill(os.getpid(), signal.SIGKILL)
+    Path(raw["run"]["out_dir"]).write_text(str(os.getpid()))
+    time.sleep(600)
+    return 0.5
+
+
+class CannotStart:
+    """A run that cannot be unpickled in the child: its process ends before it runs, like a
+    worker whose script was replaced on disk under it."""
+
+    def __call__(self, raw) -> float:
+        return 0.5
+
+    def __reduce__(self):
+        return (_refuse_to_load, ())
+
+
+def _refuse_to_load():
+    raise ImportError("the module changed on disk")  # only the child unpickles it
+
+
+def test_every_run_once_in_a_process_of_its_own():
+    cfgs = {f"seed {s}": _cfg(s) for s in range(5)}
+    got = dict(train_many(cfgs, 2, run=pid_and_seed))
+    assert sorted(got) == sorted(cfgs)
+    for key, value in got.items():
+        assert int(value) % 1000 == int(key.split()[1])  # each key's own config
+    pids = {int(v) // 1000 for v in got.values()}
+    assert len(pids) == 5 and os.getpid() not in pids  # a fresh process per run
+
+
+def test_a_run_that_raises_stops_the_experiment_with_its_name_and_traceback():
+    with pytest.raises(RuntimeError, match=r"run seed 1 failed") as e:
+        dict(train_many({f"seed {s}": _cfg(s) for s in range(3)}, 2, run=fails_on_seed_1))
+    assert "ValueError: the loss is NaN at step 3" in str(e.value)
+
+
+def test_a_user_error_in_a_run_stays_one_line():
+    with pytest.raises(UserError) as e:
+        dict(train_many({f"seed {s}": _cfg(s) for s in range(3)}, 3, run=user_error_on_seed_1))
+    assert str(e.value) == "run seed 1: corpus.jsonl: line 2 is not JSON; fix or remove it"
+
+
+def test_a_killed_run_fails_at_once_and_stops_the_others(tmp_path):
+    cfgs = {f"seed {s}": _cfg(s, tmp_path / f"pid{s}") for s in range(3)}
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"run seed 1: its process ended \(killed by signal 9\)"):
+        dict(train_many(cfgs, 3, run=killed_on_seed_1_others_sleep))
+    assert time.monotonic() - start < 60  # the sleepers would take 600 s
+    for s in (0, 2):
+        pid = int((tmp_path / f"pid{s}").read_text())
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped, not left running
+
+
+def test_a_run_that_cannot_start_fails_instead_of_waiting_forever():
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"run seed 0: its process ended \(exit code 1\)"):
+        dict(train_many({"seed 0": _cfg(0), "seed 1": _cfg(1)}, 1, run=CannotStart()))
+    assert time.monotonic() - start < 60
