@@ -29,9 +29,10 @@ def pid_and_seed(raw) -> float:
     return os.getpid() * 1000 + raw["train"]["seed"]
 
 
-def fails_on_seed_1(raw) -> float:
+def fails_on_seed_1_others_sleep(raw) -> float:
     if raw["train"]["seed"] == 1:
         raise ValueError("the loss is NaN at step 3")
+    time.sleep(600)
     return 0.5
 
 
@@ -77,10 +78,14 @@ def test_every_run_once_in_a_process_of_its_own():
     assert len(pids) == 5 and os.getpid() not in pids  # a fresh process per run
 
 
-def test_a_run_that_raises_stops_the_experiment_with_its_name_and_traceback():
+def test_a_run_that_raises_stops_the_experiment_at_once_with_its_name_and_traceback():
+    """Not after every other run has trained, as a standard process pool's exit would wait."""
+    cfgs = {f"seed {s}": _cfg(s) for s in range(4)}
+    start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"run seed 1 failed") as e:
-        dict(train_many({f"seed {s}": _cfg(s) for s in range(3)}, 2, run=fails_on_seed_1))
+        dict(train_many(cfgs, 2, run=fails_on_seed_1_others_sleep))
     assert "ValueError: the loss is NaN at step 3" in str(e.value)
+    assert time.monotonic() - start < 60  # seed 0 and the two queued runs would take 600 s each
 
 
 def test_a_user_error_in_a_run_stays_one_line():
