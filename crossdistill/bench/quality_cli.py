@@ -137,7 +137,8 @@ def add_parser(subparsers) -> None:
         "--jobs",
         type=int,
         default=None,
-        help="runs trained at once, each in its own process (default: the scale's; gpu: 4)",
+        help="runs trained at once, each in its own process (default: the scale's; gpu: 4); a"
+        " run that fails or is killed stops them all, and the same command again goes on",
     )
     p.add_argument(
         "--keep-going",
