@@ -20,9 +20,10 @@ A class's bits are over *all* held-out bytes, so the classes of a partition add 
 model's bits per byte, and a class's gain over CE only is its share of the whole gain. Per class
 and cross cell the table gives the gain of same-tokenizer KD over CE only, the cross cell's, the
 gap closed (from the means over seeds), and how much worse the cross teacher is there than the
-same-tokenizer teacher. Each student's total is printed beside its own validation
-(`final_metrics.json`): for the students of the packing's teacher they differ by the scoring's
-precision only (bfloat16 on a GPU); for the others, also by the packing.
+same-tokenizer teacher; a hint names each cross cell under `kd_chunks: all` whose chunks of
+several tokens on both sides came out worse than CE only's. Each student's total is printed
+beside its own validation (`final_metrics.json`): for the students of the packing's teacher they
+differ by the scoring's precision only (bfloat16 on a GPU); for the others, also by the packing.
 """
 
 from __future__ import annotations
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
                       f"per byte (its validation: {row['validation']:.4f})",
                       file=sys.stderr)  # fmt: skip
     table["gap_closed"] = gap_closed(table, summary["cross"])
+    table["hints"] = hints(table["gap_closed"], summary["cross"])
     print_table(table)
     if args.json:
         args.json.write_text(json.dumps(table, indent=2) + "\n")
@@ -263,6 +265,29 @@ def gap_closed(table: dict[str, Any], cross: list[dict]) -> dict[str, Any]:
     return out
 
 
+def hints(gap: dict[str, Any], cross: list[dict]) -> list[str]:
+    """What the split suggests: a cross cell under `kd_chunks: all` whose chunks of several tokens
+    on both sides came out worse than CE only's (their gain, the mean over seeds, below zero),
+    which is what `single_side` removes (on the manual pages, 45% worse; on C headers those
+    chunks gained 58% and `single_side` changed nothing)."""
+    out = []
+    for entry in cross:
+        rows = gap.get(entry["cell"])
+        if rows is None or entry.get("kd_chunks", "all") != "all":
+            continue
+        many = rows["align/many"]
+        if many["cross_gain"] < 0:
+            closed = "" if many["gap_closed"] is None else f" (gap closed {many['gap_closed']:.0%})"
+            out.append(
+                f"{entry['cell']}: its chunks of several tokens on both sides "
+                f"({many['byte_share']:.1%} of the bytes) are worse than CE only's by "
+                f"{-many['cross_gain']:.4f} bits per byte of the whole{closed}: "
+                "teachers.N.kd_chunks: single_side leaves them out of KD; "
+                "`bench quality --kd-chunks all --kd-chunks single_side` measures it"
+            )
+    return out
+
+
 def _at(d: dict, key: tuple[str, ...]) -> float:
     for k in key:
         d = d[k]
@@ -278,6 +303,8 @@ def print_table(table: dict[str, Any]) -> None:
             closed = "" if r["gap_closed"] is None else f"{r['gap_closed']:7.0%}"
             print(f"  {name:24s} {r['byte_share']:7.1%} {r['same_gain']:13.4f} "
                   f"{r['cross_gain']:14.4f} {closed:>7s} {r['teacher_gap']:18.4f}")  # fmt: skip
+    for hint in table.get("hints", []):
+        print(f"\nhint: {hint}")
 
 
 if __name__ == "__main__":

@@ -121,3 +121,56 @@ def test_token_bits_are_the_models_nll_in_float64(batches):
                         want[b * sb.input_ids.shape[1] + p + 1] = -float(lp[i, label]) / math.log(2)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "record, hinted",
+    [
+        # the manual pages: both `all` cells' chunks of several tokens on both sides lost to CE
+        (
+            "quality-gpu-20261129-h200-man-four-cells.json",
+            ["cross-llama2-forward_kl", "cross-llama2-forward_kl-ce_full"],
+        ),
+        # C headers: they gained 58% under `all`, so nothing is hinted
+        ("quality-gpu-20261129-h200-headers-single-side.json", []),
+    ],
+)
+def test_hints_name_the_all_cells_whose_many_chunks_lost_to_ce(record, hinted):
+    from pathlib import Path
+
+    from benchmarks.bpb_by_class import gap_closed, hints
+
+    raw = json.loads((Path(__file__).parents[2] / "benchmarks/results" / record).read_text())
+    cross = raw["summary"]["cross"]
+    gap = gap_closed(raw["by_class"], cross)
+    recorded = raw["by_class"]["gap_closed"]  # the split as printed then, recomputed here
+    assert gap.keys() == recorded.keys()
+    for cell, rows in gap.items():
+        assert rows.keys() == recorded[cell].keys()
+        for name, row in rows.items():
+            for key, value in row.items():
+                assert value == pytest.approx(recorded[cell][name][key], rel=1e-12), (cell, name)
+    got = hints(gap, cross)
+    assert [h.split(":")[0] for h in got] == hinted
+    for h in got:
+        assert "of the bytes) are worse than CE only's" in h and "kd_chunks: single_side" in h
+
+
+def test_hints_skip_single_side_cells_and_gaining_chunks():
+    from benchmarks.bpb_by_class import hints
+
+    def rows(gain):
+        return {"align/many": {"byte_share": 0.05, "cross_gain": gain, "gap_closed": None}}
+
+    gap = {"a": rows(-0.01), "b": rows(-0.01), "c": rows(0.002), "d": rows(-0.003)}
+    cross = [
+        {"cell": "a"},  # no kd_chunks recorded (older runs): the default, all
+        {"cell": "b", "kd_chunks": "single_side"},
+        {"cell": "c", "kd_chunks": "all"},
+        {"cell": "d", "kd_chunks": "all"},
+        {"cell": "e", "kd_chunks": "all"},  # not scored yet
+    ]
+    got = hints(gap, cross)
+    assert [h.split(":")[0] for h in got] == ["a", "d"]
+    assert "5.0% of the bytes" in got[0] and "0.0100 bits per byte" in got[0]
+    assert "gap closed" not in got[0]
