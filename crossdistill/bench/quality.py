@@ -189,7 +189,7 @@ def train_many(
 
     A run that raises, or whose process ends without a result (killed, out of memory, or it
     could not start), stops the experiment at once with its key and reason, and the runs still
-    going are stopped with it. (The standard library's process pool, which this replaces, let
+    going are stopped with it; runs that ended at the same moment are yielded first. (The standard library's process pool, which this replaces, let
     every queued run train before it raised a run's error, named no run when one was killed, and
     can wait forever when a replacement worker fails to start: CPython gh-119592, fixed in
     3.14.) A user error in a run is raised as one, so it stays one line."""
@@ -208,7 +208,8 @@ def train_many(
                 process.start()
                 send.close()  # the child holds the only sending end: its exit ends the pipe
                 running[process.sentinel] = (key, process, receive)
-            for sentinel in wait(list(running)):
+            failure: Exception | None = None
+            for sentinel in wait(list(running)):  # every run that ended since the last wait
                 key, process, receive = running.pop(sentinel)
                 try:
                     result = receive.recv()  # sent before the process ended, or nothing
@@ -216,7 +217,14 @@ def train_many(
                     result = None
                 receive.close()
                 process.join()
-                yield key, _child_result(key, result, process.exitcode)
+                try:
+                    value = _child_result(key, result, process.exitcode)
+                except (UserError, RuntimeError) as e:
+                    failure = failure or e  # the runs that ended with it are still reported
+                    continue
+                yield key, value
+            if failure is not None:
+                raise failure
     finally:
         for _, process, receive in running.values():
             process.terminate()

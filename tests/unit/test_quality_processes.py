@@ -111,3 +111,32 @@ def test_a_run_that_cannot_start_fails_instead_of_waiting_forever():
     with pytest.raises(RuntimeError, match=r"run seed 0: its process ended \(exit code 1\)"):
         dict(train_many({"seed 0": _cfg(0), "seed 1": _cfg(1)}, 1, run=CannotStart()))
     assert time.monotonic() - start < 60
+
+
+def wait_for_go_then_fail_on_seed_1(raw) -> float:
+    """Seed 0 returns at once; seeds 1 and 2 wait for the file `go` beside their out_dir, then
+    seed 2 returns and seed 1 raises: both end while the parent is busy elsewhere."""
+    seed, out = raw["train"]["seed"], Path(raw["run"]["out_dir"])
+    if seed:
+        while not (out.parent / "go").exists():
+            time.sleep(0.01)
+    if seed == 1:
+        raise ValueError("the loss is NaN at step 3")
+    return float(seed)
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1)])
+def test_a_run_that_ends_with_a_failing_one_is_still_reported(tmp_path, order):
+    """Seeds 1 and 2 end while the consumer of the results is busy (as `_run_all` is, writing
+    cells.jsonl), so one wait finds both: seed 2's result comes out before seed 1's error,
+    whichever of the two started first."""
+    cfgs = {f"seed {s}": _cfg(s, tmp_path / f"run{s}") for s in order}
+    got = []
+    with pytest.raises(RuntimeError, match="run seed 1 failed") as err:
+        for key, value in train_many(cfgs, 3, run=wait_for_go_then_fail_on_seed_1):
+            got.append((key, value))
+            if key == "seed 0":
+                (tmp_path / "go").touch()
+                time.sleep(3.0)  # seeds 1 and 2 both end meanwhile
+    assert got == [("seed 0", 0.0), ("seed 2", 2.0)]
+    assert "ValueError: the loss is NaN at step 3" in str(err.value)
