@@ -189,10 +189,11 @@ def train_many(
 
     A run that raises, or whose process ends without a result (killed, out of memory, or it
     could not start), stops the experiment at once with its key and reason, and the runs still
-    going are stopped with it; runs that ended at the same moment are yielded first. (The standard library's process pool, which this replaces, let
-    every queued run train before it raised a run's error, named no run when one was killed, and
-    can wait forever when a replacement worker fails to start: CPython gh-119592, fixed in
-    3.14.) A user error in a run is raised as one, so it stays one line."""
+    going are stopped with it; runs that ended at the same moment are yielded first. (The
+    standard library's process pool, which this replaces, let every queued run train before it
+    raised a run's error, named no run when one was killed, and can wait forever when a
+    replacement worker fails to start: CPython gh-119592, fixed in 3.14.) A user error in a run
+    is raised as one, so it stays one line."""
     import multiprocessing
     from multiprocessing.connection import wait
 
