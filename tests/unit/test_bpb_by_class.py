@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,9 @@ from benchmarks.bpb_by_class import (
     TEXT_CLASSES,
     chunk_classes,
     class_sums,
+    gap_closed,
     held_out,
+    hints,
     partitions,
     per_chunk,
     shifted,
@@ -24,6 +27,7 @@ from benchmarks.bpb_by_class import (
     token_bits,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 TEXTS = [
     'my $total = 12345;\n        print "sum: $total\\n";\n',
     "The quick brown fox, 1999 — naïve café.\n\n\n    indented line here\n",
@@ -136,11 +140,7 @@ def test_token_bits_are_the_models_nll_in_float64(batches):
     ],
 )
 def test_hints_name_the_all_cells_whose_many_chunks_lost_to_ce(record, hinted):
-    from pathlib import Path
-
-    from benchmarks.bpb_by_class import gap_closed, hints
-
-    raw = json.loads((Path(__file__).parents[2] / "benchmarks/results" / record).read_text())
+    raw = json.loads((REPO / "benchmarks" / "results" / record).read_text())
     cross = raw["summary"]["cross"]
     gap = gap_closed(raw["by_class"], cross)
     recorded = raw["by_class"]["gap_closed"]  # the split as printed then, recomputed here
@@ -157,8 +157,6 @@ def test_hints_name_the_all_cells_whose_many_chunks_lost_to_ce(record, hinted):
 
 
 def test_hints_skip_single_side_cells_and_gaining_chunks():
-    from benchmarks.bpb_by_class import hints
-
     def rows(gain):
         return {"align/many": {"byte_share": 0.05, "cross_gain": gain, "gap_closed": None}}
 
