@@ -21,7 +21,8 @@ model's bits per byte, and a class's gain over CE only is its share of the whole
 and cross cell the table gives the gain of same-tokenizer KD over CE only, the cross cell's, the
 gap closed (from the means over seeds), and how much worse the cross teacher is there than the
 same-tokenizer teacher; a hint names each cross cell under `kd_chunks: all` whose chunks of
-several tokens on both sides came out worse than CE only's. Each student's total is printed
+several tokens on both sides came out worse than CE only's, and each under the first-piece
+target whose chunks of one student token over several teacher tokens did. Each student's total is printed
 beside its own validation (`final_metrics.json`): for the students of the packing's teacher they
 differ by the scoring's precision only (bfloat16 on a GPU); for the others, also by the packing.
 """
@@ -266,24 +267,48 @@ def gap_closed(table: dict[str, Any], cross: list[dict]) -> dict[str, Any]:
 
 
 def hints(gap: dict[str, Any], cross: list[dict]) -> list[str]:
-    """What the split suggests: a cross cell under `kd_chunks: all` whose chunks of several tokens
-    on both sides came out worse than CE only's (their gain, the mean over seeds, below zero),
-    which is what `single_side` removes (on the manual pages, 45% worse; on C headers those
-    chunks gained 58% and `single_side` changed nothing)."""
+    """What the split suggests, one line per cross cell and cause, where a kind of chunk came out
+    worse than CE only's (its gain, the mean over seeds, below zero):
+    - under `kd_chunks: all`, the chunks of several tokens on both sides, which `single_side`
+      leaves out of KD (on the manual pages, 45% worse; on C headers those chunks gained 58% and
+      `single_side` changed nothing);
+    - under the first-piece target (named, or chosen by `auto`), the chunks of one student token
+      over several teacher tokens, where the first piece gives the teacher's first token's mass
+      to a shorter student token and `target: lookahead` follows the teacher's path (on Perl's
+      near pair, worse than CE only on every seed; `lookahead_prefix_end` gained there)."""
     out = []
     for entry in cross:
         rows = gap.get(entry["cell"])
-        if rows is None or entry.get("kd_chunks", "all") != "all":
+        if rows is None:
             continue
-        many = rows["align/many"]
-        if many["cross_gain"] < 0:
-            closed = "" if many["gap_closed"] is None else f" (gap closed {many['gap_closed']:.0%})"
-            out.append(
-                f"{entry['cell']}: its chunks of several tokens on both sides "
-                f"({many['byte_share']:.1%} of the bytes) are worse than CE only's by "
-                f"{-many['cross_gain']:.4f} bits per byte of the whole{closed}: "
+        target = entry.get("chosen_target") or entry.get("target", "first_piece")
+        checks = [
+            (
+                entry.get("kd_chunks", "all") == "all",
+                "align/many",
+                "chunks of several tokens on both sides",
                 "teachers.N.kd_chunks: single_side leaves them out of KD; "
-                "`bench quality --kd-chunks all --kd-chunks single_side` measures it"
+                "`bench quality --kd-chunks all --kd-chunks single_side` measures it",
+            ),
+            (
+                target == "first_piece",
+                "align/student_longer",
+                "chunks of one student token over several teacher tokens",
+                "the first piece gives the teacher's mass of its first token to a shorter "
+                "student token there; teachers.N.target: lookahead follows the teacher's path to "
+                "the student's token (and is the first piece elsewhere); "
+                "`bench quality --target first_piece --target lookahead` measures it",
+            ),
+        ]
+        for applies, kind, what, fix in checks:
+            row = rows[kind]
+            if not applies or row["cross_gain"] >= 0:
+                continue
+            closed = "" if row["gap_closed"] is None else f" (gap closed {row['gap_closed']:.0%})"
+            out.append(
+                f"{entry['cell']}: its {what} ({row['byte_share']:.1%} of the bytes) are worse "
+                f"than CE only's by {-row['cross_gain']:.4f} bits per byte of the whole{closed}: "
+                + fix
             )
     return out
 
