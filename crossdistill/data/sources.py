@@ -11,8 +11,9 @@
 A file compressed with gzip, bzip2, xz or zstandard (`.gz`, `.bz2`, `.xz`, `.zst`) is read by
 the format of its name without that suffix (`docs.jsonl.gz` is JSONL). A compressed table or
 JSONL file is decompressed once into the cache (`$CROSSDISTILL_CACHE`, keyed by path, size and
-mtime), since rows are read at random; a compressed text file is one document, decompressed
-when read.
+mtime), since rows are read at random; a copy of a version of the file that has since changed is
+removed once no process reads it. A compressed text file is one document, decompressed when
+read.
 
 `read(start, stop)` returns one entry per row: the raw field value, `None` for a blank JSONL line
 (skipped silently), or a `Bad` naming what is wrong. Turning values into documents (type and
@@ -173,14 +174,24 @@ def _decompress_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
+# The lease files of the decompressed copies this process has opened, each under a shared lock
+# held until the process exits: a copy is kept while any process holds its lease.
+_LEASES: dict[str, Any] = {}
+
+
 def decompressed(path: str) -> str:
     """The path of a decompressed copy of `path` in the cache, written on first use: one
-    process writes it while the others (ranks, workers) wait on a lock."""
+    process writes it while the others (ranks, workers) wait on a lock. The copy's name holds a
+    key of the source's path and one of its size and mtime. The process then holds a lease on
+    it (a shared lock on `.NAME.lease`) until it exits, and copies made from earlier versions of
+    the same source whose leases nobody holds are removed (`_prune_copies`)."""
     import fcntl
 
     plain = Path(path).name[: -len(Path(path).suffix)]
-    cached = cache_path("decompressed", f"{_file_key(path)}-{plain}")
-    if cached.is_file():
+    source, state = _copy_keys(path)
+    cached = cache_path("decompressed", f"{source}-{state}-{plain}")
+    if str(cached) in _LEASES and cached.is_file():
+        _prune_copies(cached, f"{source}-*-{plain}")
         return str(cached)
     failure: list[str] = []
 
@@ -198,10 +209,18 @@ def decompressed(path: str) -> str:
 
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        with open(cached.parent / f".{cached.name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-            if cached.is_file() or write_atomic(cached, write):
+        for _ in range(2):  # twice: once more if a stale view of the source pruned it meanwhile
+            with open(cached.parent / f".{cached.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                if not (cached.is_file() or write_atomic(cached, write)):
+                    break
+            lease = open(cached.parent / f".{cached.name}.lease", "a")  # noqa: SIM115
+            fcntl.flock(lease, fcntl.LOCK_SH)
+            if cached.is_file():
+                _LEASES[str(cached)] = lease
+                _prune_copies(cached, f"{source}-*-{plain}")
                 return str(cached)
+            lease.close()
     except OSError:
         pass
     if failure:
@@ -210,6 +229,37 @@ def decompressed(path: str) -> str:
         f"cannot write a decompressed copy of {path} under {cached.parent}: set "
         "CROSSDISTILL_CACHE to a writable folder with room for it, or decompress it yourself"
     )
+
+
+def _copy_keys(path: str) -> tuple[str, str]:
+    """(a key of `path`'s absolute path, a key of its size and modification time)."""
+    st = os.stat(path)
+    where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
+    when = hashlib.sha256(f"{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return where, when
+
+
+def _prune_copies(current: Path, pattern: str) -> None:
+    """Remove the decompressed copies matching `pattern` (the same source) other than
+    `current`, with their line indexes, locks and leases, where no process holds the lease:
+    they were made from versions of the source that no longer exist."""
+    import fcntl
+
+    for old in current.parent.glob(pattern):
+        if old == current:
+            continue
+        lease_path = old.parent / f".{old.name}.lease"
+        try:
+            with open(lease_path, "a") as lease:
+                fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a run reads it
+                if old.exists():  # not removed by another process meanwhile
+                    index = cache_path("jsonl-index", f"{_file_key(str(old))}.npy")
+                    index.unlink(missing_ok=True)
+                    old.unlink()
+                (old.parent / f".{old.name}.lock").unlink(missing_ok=True)
+                lease_path.unlink(missing_ok=True)
+        except OSError:
+            continue
 
 
 class TextSource:

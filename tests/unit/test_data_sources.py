@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
+import sys
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -18,6 +22,8 @@ from crossdistill.data.schedule import Cursor, Plan
 from crossdistill.data.sources import Bad, jsonl_index
 from crossdistill.errors import UserError
 from tests.unit.test_data_helpers import UNICODE_TEXTS, row_texts, stdlib_texts, write_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -326,6 +332,48 @@ def test_compressed_text_files_are_documents(tmp_path):
     assert src.read(0, 2) == ["first document\n"] * 2
     (bad,) = src.read(2, 3)  # a bad row, for the bad-input policy: the others still read
     assert isinstance(bad, Bad) and bad.reason.startswith("cannot decompress it (gzip)")
+
+
+def _holder(packed, cache):
+    """Another process that opens `packed` and reads it until its stdin closes."""
+    code = (
+        "import sys; from crossdistill.data import open_source; "
+        f"src = open_source({str(packed)!r}, 'auto', 'text'); "
+        "print(src.path, src.num_rows, flush=True); sys.stdin.read()"
+    )
+    env = {**os.environ, "CROSSDISTILL_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    path, rows = proc.stdout.readline().split()
+    return proc, path, int(rows)
+
+
+def test_a_changed_source_leaves_no_copy_behind_once_no_run_reads_it(tmp_path):
+    cache = tmp_path / "cache"
+    copies = cache / "decompressed"
+
+    def version(n):  # the same file, rewritten with n documents
+        return _compress(write_jsonl(tmp_path / "c.jsonl", _docs(n)), "gz")
+
+    def left():
+        names = sorted(p.name for p in copies.iterdir() if not p.name.startswith("."))
+        indexes = len(list((cache / "jsonl-index").glob("*.npy")))
+        return names, indexes
+
+    first, path_1, _ = _holder(version(10), cache)
+    first.communicate("")  # that run ends: nothing holds the first copy
+    second, path_2, rows = _holder(version(20), cache)  # a run that goes on reading
+    assert rows == 20 and not Path(path_1).exists()  # the first copy went when the second came
+    src = open_source(str(version(30)), "auto", "text")
+    assert src.num_rows == 30 and src.read(0, 30) == _docs(30)
+    assert Path(path_2).exists()  # still read by the run of the second version
+    assert left() == (sorted([Path(path_2).name, Path(src.path).name]), 2)
+    second.communicate("")
+    open_source(str(tmp_path / "c.jsonl.gz"), "auto", "text")  # the next open removes it
+    assert left() == ([Path(src.path).name], 1)
+    assert not list(copies.glob(f".{Path(path_2).name}*"))  # its lock and lease too
 
 
 def test_a_damaged_compressed_jsonl_is_one_error_and_leaves_no_copy(tmp_path):
