@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from crossdistill import __version__
-from crossdistill.errors import UserError
+from crossdistill.errors import RunFailed, UserError
 
 # (module, function) pairs, in the order `--help` lists them.
 SUBCOMMANDS = [
@@ -69,7 +69,8 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
 
 
 def run_reporting(fn: Any, args: Any) -> int:
-    """`fn(args)` as an exit status: a `UserError` becomes one line on stderr and 2. Under
+    """`fn(args)` as an exit status: a `UserError` becomes one line on stderr and 2, a
+    `RunFailed` its message (the failed process's own traceback) and 1. Under
     `torchrun`, each line names its rank, and a rank that only lost contact with another rank
     (which failed first, with its own message) says so in one line instead of a traceback."""
     rank = f"rank {os.environ['RANK']}: " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
@@ -78,6 +79,9 @@ def run_reporting(fn: Any, args: Any) -> int:
     except UserError as e:
         print(f"crossdistill: error: {rank}{e}", file=sys.stderr)
         return 2
+    except RunFailed as e:
+        print(f"crossdistill: error: {rank}{e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"crossdistill: {rank}interrupted", file=sys.stderr)
         return 130

@@ -50,7 +50,7 @@ from crossdistill.config import (
     from_dict,
     to_dict,
 )
-from crossdistill.errors import UserError
+from crossdistill.errors import RunFailed, UserError
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
 
@@ -220,7 +220,7 @@ def train_many(
                 process.join()
                 try:
                     value = _child_result(key, result, process.exitcode)
-                except (UserError, RuntimeError) as e:
+                except (UserError, RunFailed) as e:
                     failure = failure or e  # the runs that ended with it are still reported
                     continue
                 yield key, value
@@ -257,7 +257,7 @@ def _child_result(key: Any, message: tuple[str, Any] | None, exitcode: int | Non
     if message is None:
         signalled = exitcode is not None and exitcode < 0
         how = f"killed by signal {-exitcode}" if signalled else f"exit code {exitcode}"
-        raise RuntimeError(
+        raise RunFailed(
             f"run {key}: its process ended ({how}) without a result, before or during training"
             " (out of memory?); the finished runs are kept: rerun the same command to go on"
         )
@@ -265,7 +265,7 @@ def _child_result(key: Any, message: tuple[str, Any] | None, exitcode: int | Non
     if kind == "user_error":
         raise UserError(f"run {key}: {value}")
     if kind == "error":
-        raise RuntimeError(f"run {key} failed; its traceback:\n{value}")
+        raise RunFailed(f"run {key} failed; its traceback:\n{value}")
     return value
 
 

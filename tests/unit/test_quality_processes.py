@@ -88,6 +88,28 @@ def test_a_run_that_raises_stops_the_experiment_at_once_with_its_name_and_traceb
     assert time.monotonic() - start < 60  # seed 0 and the two queued runs would take 600 s each
 
 
+def fails_on_seed_0(raw) -> float:
+    if raw["train"]["seed"] == 0:
+        raise ValueError("the loss is NaN at step 3")
+    return 0.5
+
+
+def test_the_cli_prints_a_failed_runs_own_traceback_and_not_its_own(capsys):
+    """The child's traceback says where the run failed; the parent's would say only where the
+    bench waited, above it."""
+    from crossdistill.cli import run_reporting
+
+    def bench(_):
+        dict(train_many({f"seed {s}": _cfg(s) for s in range(2)}, 2, run=fails_on_seed_0))
+
+    assert run_reporting(bench, None) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("crossdistill: error: run seed 0 failed; its traceback:\nTraceback")
+    assert err.count("Traceback") == 1 and "in fails_on_seed_0" in err
+    assert err.rstrip().endswith("ValueError: the loss is NaN at step 3")
+    assert "train_many" not in err  # nothing of the reporting process's stack
+
+
 def test_a_user_error_in_a_run_stays_one_line():
     with pytest.raises(UserError) as e:
         dict(train_many({f"seed {s}": _cfg(s) for s in range(3)}, 3, run=user_error_on_seed_1))
