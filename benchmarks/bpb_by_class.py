@@ -274,8 +274,9 @@ def hints(gap: dict[str, Any], cross: list[dict]) -> list[str]:
       `single_side` changed nothing);
     - under the first-piece target (named, or chosen by `auto`), the chunks of one student token
       over several teacher tokens, where the first piece gives the teacher's first token's mass
-      to a shorter student token and `target: lookahead` follows the teacher's path (on Perl's
-      near pair, worse than CE only on every seed; `lookahead_prefix_end` gained there)."""
+      to a shorter student token and `lookahead_prefix_end` follows the teacher's path (on
+      Perl's near pair and the demo's pair, worse than CE only on every seed under the first
+      piece, better under `lookahead_prefix_end`; `lookahead` did not gain there on the demo's)."""
     out = []
     for entry in cross:
         rows = gap.get(entry["cell"])
@@ -295,9 +296,9 @@ def hints(gap: dict[str, Any], cross: list[dict]) -> list[str]:
                 "align/student_longer",
                 "chunks of one student token over several teacher tokens",
                 "the first piece gives the teacher's mass of its first token to a shorter "
-                "student token there; teachers.N.target: lookahead follows the teacher's path to "
-                "the student's token (and is the first piece elsewhere); "
-                "`bench quality --target first_piece --target lookahead` measures it",
+                "student token there; teachers.N.target: lookahead_prefix_end follows the "
+                "teacher's path to the student's token; "
+                "`bench quality --target first_piece --target lookahead_prefix_end` measures it",
             ),
         ]
         for applies, kind, what, fix in checks:

@@ -128,7 +128,7 @@ def test_token_bits_are_the_models_nll_in_float64(batches):
 
 
 MANY_FIX = "kd_chunks: single_side"
-LONGER_FIX = "target: lookahead follows the teacher's path"
+LONGER_FIX = "target: lookahead_prefix_end follows the teacher's path"
 
 
 @pytest.mark.parametrize(
