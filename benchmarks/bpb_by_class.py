@@ -22,9 +22,10 @@ and cross cell the table gives the gain of same-tokenizer KD over CE only, the c
 gap closed (from the means over seeds), and how much worse the cross teacher is there than the
 same-tokenizer teacher; a hint names each cross cell under `kd_chunks: all` whose chunks of
 several tokens on both sides came out worse than CE only's, and each under the first-piece
-target whose chunks of one student token over several teacher tokens did. Each student's total is printed
-beside its own validation (`final_metrics.json`): for the students of the packing's teacher they
-differ by the scoring's precision only (bfloat16 on a GPU); for the others, also by the packing.
+target whose chunks of one student token over several teacher tokens did. Each student's total
+is printed beside its own validation (`final_metrics.json`): for the students of the packing's
+teacher they differ by the scoring's precision only (bfloat16 on a GPU); for the others, also by
+the packing.
 """
 
 from __future__ import annotations

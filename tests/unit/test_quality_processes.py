@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from crossdistill.bench.quality import train_many
+from crossdistill.cli import run_reporting
 from crossdistill.config import Config
 from crossdistill.errors import UserError
 
@@ -97,7 +98,6 @@ def fails_on_seed_0(raw) -> float:
 def test_the_cli_prints_a_failed_runs_own_traceback_and_not_its_own(capsys):
     """The child's traceback says where the run failed; the parent's would say only where the
     bench waited, above it."""
-    from crossdistill.cli import run_reporting
 
     def bench(_):
         dict(train_many({f"seed {s}": _cfg(s) for s in range(2)}, 2, run=fails_on_seed_0))
