@@ -89,7 +89,15 @@ def scenario_config(tokenizers: dict[str, str], data: Path, out: Path) -> Config
     raw = {
         "student": model("tiny-llama", "llama2", 32000),
         "teachers": [
-            {"name": "qwen", **model("tiny-qwen3", "gpt2", 50304), "top_k": 16},
+            # named, not `auto`: on this text the pair is between near and far (90%), where
+            # `auto` takes lookahead_prefix_end on one process and `lookahead` under tensor
+            # parallelism; the layouts' lookahead targets: test_lookahead_layouts.py
+            {
+                "name": "qwen",
+                **model("tiny-qwen3", "gpt2", 50304),
+                "top_k": 16,
+                "target": "first_piece",
+            },
             {
                 "name": "phi",
                 **model("tiny-phi3", "mistral", 32768),

@@ -115,7 +115,7 @@ def test_bad_input_is_one_line(tokenizer_dir, tmp_path, capsys):
     assert np.isfinite(audit_pair(tok, tok, TEXTS[:1])["one_to_one_share"])
 
 
-def test_a_pair_between_the_measured_ones_keeps_the_first_piece_and_says_to_compare():
+def test_a_pair_between_near_and_far_gets_the_far_target_and_says_to_compare():
     from crossdistill.train.audit import recommend
 
     def report(right):
@@ -127,7 +127,9 @@ def test_a_pair_between_the_measured_ones_keeps_the_first_piece_and_says_to_comp
         }
 
     middle, warnings = recommend(report(0.88))
-    assert middle["target"] == "first_piece" and "--target lookahead_prefix" in middle["why"]
+    assert middle["target"] == "lookahead_prefix_end" and "88.0%" in middle["why"]
+    assert "--target first_piece --target lookahead_prefix_end" in middle["why"]
     assert not warnings
     assert recommend(report(0.80))[0]["target"] == "lookahead_prefix_end"
+    assert recommend(report(0.9499))[0]["target"] == "lookahead_prefix_end"
     assert recommend(report(0.95))[0]["target"] == "first_piece"

@@ -1,8 +1,9 @@
 """`teachers.N.target: auto` (the default): each teacher's target chosen at load from how its
 tokenizer pair aligns on the run's own training text.
 
-- `choose_target`: the rule at and around `FAR_PAIR_RIGHT`, what a cache, a tensor-parallel
-  student or a loss without a projected target changes, and a `why` that names the share;
+- `choose_target`: the rule at and around `FAR_PAIR_RIGHT` and `NEAR_PAIR_RIGHT`, what a
+  cache, a tensor-parallel student or a loss without a projected target changes, and a `why`
+  that names the share;
 - `first_piece_right` on real tokenizers and text: near, far and identical pairs, and the same
   share `crossdistill audit` reports;
 - `sample_texts`: rows spread over each file, the byte budget, several files, bad rows, chat;
@@ -23,6 +24,7 @@ from crossdistill.data.build import sample_texts
 from crossdistill.train.audit import audit_pair, read_texts
 from crossdistill.train.auto_target import (
     FAR_PAIR_RIGHT,
+    NEAR_PAIR_RIGHT,
     SAMPLE_BYTES,
     choose_target,
     first_piece_right,
@@ -45,20 +47,29 @@ def write_jsonl(path: Path, rows: list) -> str:
     ("right", "cached", "tp", "want"),
     [
         (0.97, False, False, "first_piece"),
-        (0.8001, False, False, "first_piece"),
+        (0.95, False, False, "first_piece"),
+        (0.9499, False, False, "lookahead_prefix_end"),
+        (0.8001, False, False, "lookahead_prefix_end"),
         (0.80, False, False, "lookahead_prefix_end"),
         (0.5, False, False, "lookahead_prefix_end"),
         (0.80, True, False, "context"),
         (0.80, True, True, "context"),
+        (0.8001, True, False, "first_piece"),
+        (0.88, True, True, "first_piece"),
         (0.74, False, True, "lookahead"),
+        (0.88, False, True, "lookahead"),
         (0.97, True, True, "first_piece"),
     ],
 )
-def test_choose_target_at_and_around_the_far_pair_threshold(right, cached, tp, want):
-    assert FAR_PAIR_RIGHT == 0.80
+def test_choose_target_at_and_around_the_thresholds(right, cached, tp, want):
+    """Near pairs (95% or more) keep the first piece; below, the far pairs' target, except
+    from a cache, where a far pair gets the context target and a pair between the first piece."""
+    assert (FAR_PAIR_RIGHT, NEAR_PAIR_RIGHT) == (0.80, 0.95)
     target, why = choose_target(right, "forward_kl", cached=cached, tensor_parallel=tp)
     assert target == want
-    assert f"{right:.1%}" in why and ("a far pair" in why) == (right <= FAR_PAIR_RIGHT)
+    assert f"{right:.1%}" in why
+    assert ("a far pair" in why) == (right <= FAR_PAIR_RIGHT)
+    assert ("a near pair" in why) == (right >= NEAR_PAIR_RIGHT)
 
 
 @pytest.mark.parametrize("loss", ["chunk_likelihood", "uld", "gold", "hkl"])
@@ -224,6 +235,34 @@ def test_resolve_targets_chooses_per_teacher_and_leaves_the_config(tmp_path, tok
     cfg.student.parallel.tp = 1
     cfg.teachers[2].cache = str(tmp_path / "cache")
     assert resolve_targets(cfg, tok_s, toks_t)[0][2].target == "context"
+
+
+def test_resolve_targets_on_a_real_pair_between_near_and_far(tmp_path, tokenizer_dir, texts):
+    """Llama-2 student, GPT-2 teacher: the first piece is right at about 88% of the standard
+    library's KD positions, so the live teacher gets `lookahead_prefix_end`, a tensor-parallel
+    student `lookahead`, a cached teacher the first piece."""
+    from crossdistill.models import load_tokenizer
+
+    raw = {"student": model(tokenizer_dir, "llama2", 32000),
+           "teachers": [model(tokenizer_dir, "gpt2", 50304, name="between")],
+           "data": corpus(tmp_path, texts), "train": {"device": "cpu"}}  # fmt: skip
+    cfg = from_dict(Config, raw)
+    tok_s = load_tokenizer(cfg.student.tokenizer)
+    toks_t = [load_tokenizer(cfg.teachers[0].tokenizer)]
+    share, _ = first_piece_right(tok_s, toks_t[0], sample_texts(cfg.data, SAMPLE_BYTES))
+    assert FAR_PAIR_RIGHT < share < NEAR_PAIR_RIGHT
+    got, notes = resolve_targets(cfg, tok_s, toks_t)
+    assert got[0].target == "lookahead_prefix_end"
+    assert notes == [
+        f"teachers.0 (between): target auto -> lookahead_prefix_end: the first piece is right "
+        f"at {share:.1%} of KD positions (between 80% and 95%)"
+    ]
+    cfg.student.parallel.tp = 2
+    assert resolve_targets(cfg, tok_s, toks_t)[0][0].target == "lookahead"
+    cfg.student.parallel.tp = 1
+    cfg.teachers[0].cache = str(tmp_path / "cache")
+    got, notes = resolve_targets(cfg, tok_s, toks_t)
+    assert got[0].target == "first_piece" and "a cache holds one row" in notes[0]
 
 
 def test_a_run_with_a_far_teacher_logs_the_choice_and_saves_auto(
