@@ -21,9 +21,10 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   pairs' choices. Where one student token spans several teacher tokens (digits, mostly) the
   first piece taught the student worse than CE only on every seed of both pairs, and
   `lookahead_prefix_end` better. Over 37 paired seeds on three texts its total was lower than
-  the first piece's on 27, by 0.83% on average (1.62 points of spread); on 13 of 16 on a Python the setting was not chosen
-  on; `lookahead` on 9 of 14 (-0.69%). From a cache, though, the first piece: `context` lost to
-  it on the demo's pair on every seed.
+  the first piece's on 27, by 0.83% on average (1.62 points of spread), and on 13 of 16 on a
+  Python standard library the setting was not chosen on; `lookahead`'s on 9 of 14 (-0.69%).
+  From a cache, though, the first piece: `context` lost to it on the demo's pair on every
+  seed.
 
 A teacher with the student's tokenizer, or a loss without a projected target
 (`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do
