@@ -159,7 +159,9 @@ def _cfg(corpus: Path, out: Path, tokenizer_dir, teachers: list[dict], **train) 
 
 
 def _teachers(checkpoints, **cache) -> list[dict]:
-    base = {"dtype": "float32", "top_k": 16}
+    # the target named, not `auto`: on this text Llama-2 is between near and far for the
+    # student, where `auto` takes lookahead_prefix_end live and the first piece from a cache
+    base = {"dtype": "float32", "top_k": 16, "target": "first_piece"}
     return [
         {"name": "llama2", "path": str(checkpoints["llama2"]), "loss": "forward_kl", **base},
         {"name": "gpt2", "path": str(checkpoints["gpt2"]), "loss": "jsd", "weight": 0.5, **base},
