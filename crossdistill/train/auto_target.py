@@ -17,14 +17,13 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   tensor-parallel student (the prefix groups sum over the whole student vocabulary, which
   tensor parallelism splits), `context` for a teacher read from a cache (it holds one position
   per student token).
-- **Pairs between** (Qwen3 for a Llama-3 student on Perl, 90%; the demo's pair, 88%): the far
-  pairs' choices. Where one student token spans several teacher tokens (digits, mostly) the
-  first piece taught the student worse than CE only on every seed of both pairs, and
-  `lookahead_prefix_end` better. Over 37 paired seeds on three texts its total was lower than
-  the first piece's on 27, by 0.83% on average (1.62 points of spread), and on 13 of 16 on a
-  Python standard library the setting was not chosen on; `lookahead`'s on 9 of 14 (-0.69%).
-  From a cache, though, the first piece: `context` lost to it on the demo's pair on every
-  seed.
+- **Pairs between** (Qwen3 for a Llama-3 student on Perl's numbers; the demo's pair): the far
+  pairs' choices. Where one student token spans several teacher tokens, the first piece gives
+  the teacher's first token's mass to a shorter student token that the text does not use
+  there, and taught the student worse than CE only; `lookahead_prefix_end` follows the teacher's path to the
+  student's token, and over both pairs' paired seeds its total was lower than the first
+  piece's (benchmarks/README.md, "The three targets on Perl's near pair"). From a cache,
+  though, the first piece: `context` lost to it on the demo's pair.
 
 A teacher with the student's tokenizer, or a loss without a projected target
 (`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do
