@@ -43,6 +43,7 @@ Target = Literal[
     "lookahead_end",
     "lookahead_prefix",
     "lookahead_prefix_end",
+    "lookahead_longer",
 ]
 TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
@@ -147,7 +148,9 @@ class TeacherConfig(ModelConfig):
     # "lookahead_prefix" is "lookahead" with the teacher's other tokens at the KD position
     # compared, as "prefix" does, with the groups of student tokens that start with them;
     # "lookahead_prefix_end" is "lookahead_prefix" that also reads past the end, as
-    # "lookahead_end" does
+    # "lookahead_end" does;
+    # "lookahead_longer" is "lookahead_prefix_end" at the chunks of one student token over
+    # several teacher tokens and "lookahead" at the others
     target: Target = "auto"
     # the chunks that get a KD term: "all", or "single_side": none at a chunk of several tokens
     # on both sides, where the student's first token ends inside a teacher token and no

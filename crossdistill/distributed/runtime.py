@@ -37,6 +37,7 @@ from crossdistill.distributed.share import share_window_targets
 from crossdistill.distributed.streams import TargetStream
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import (
+    LONGER_ONLY_TARGETS,
     KDTerm,
     TeacherTargets,
     VocabProjection,
@@ -420,6 +421,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         first_t=first_t,
         lookahead=ahead,
         past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
+        longer_only=slot.cfg.target in LONGER_ONLY_TARGETS,
     )
 
 

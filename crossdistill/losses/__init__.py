@@ -10,7 +10,7 @@
   reference backend.
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
   lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
-  other tokens (`teachers.N.target`).
+  other tokens, and both only where the student's token is the longer (`teachers.N.target`).
 - `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
   its PyTorch reference), the second for targets with token-group buckets.
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
@@ -30,6 +30,7 @@ from crossdistill.losses.divergences import (
     uld,
 )
 from crossdistill.losses.lookahead import (
+    LONGER_ONLY_TARGETS,
     LOOKAHEAD_DEPTH,
     LOOKAHEAD_TARGETS,
     PREFIX_TARGETS,
@@ -55,6 +56,7 @@ from crossdistill.losses.targets import (
 )
 
 __all__ = [
+    "LONGER_ONLY_TARGETS",
     "LOOKAHEAD_DEPTH",
     "LOOKAHEAD_TARGETS",
     "PREFIX_TARGETS",

@@ -42,6 +42,13 @@ would (its event is one of theirs) sends its mass to the tail, so buckets stay d
 `lookahead_prefix_end` is both: the KD position's alternatives in their groups, and the mass
 that reached the observed token split past its end. The end step's longer tokens are
 single-token buckets of the row, so a group that holds one of them sends its mass to the tail.
+
+`lookahead_longer` is `lookahead_prefix_end` where the chunk is one student token over several
+teacher tokens, and `lookahead` everywhere else. The groups and the step past the end change
+the target at one-to-one chunks too: there the student's token is the teacher's, the first
+piece is exact, and the groups only widen the other entries' buckets and the end step only
+moves the observed token's mass to longer student tokens. This target keeps them where the
+student's token is the longer one, which the first piece and `lookahead` serve worst.
 """
 
 from __future__ import annotations
@@ -69,13 +76,22 @@ NEG_INF = float("-inf")
 LOOKAHEAD_DEPTH = 4
 
 
-LOOKAHEAD_TARGETS = ("lookahead", "lookahead_end", "lookahead_prefix", "lookahead_prefix_end")
+LOOKAHEAD_TARGETS = (
+    "lookahead",
+    "lookahead_end",
+    "lookahead_prefix",
+    "lookahead_prefix_end",
+    "lookahead_longer",
+)
 # Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
 # over its whole vocabulary, so a vocabulary split does not take them (the fused pass does, with
 # `group_kernels`).
-PREFIX_TARGETS = ("prefix", "lookahead_prefix", "lookahead_prefix_end")
+PREFIX_TARGETS = ("prefix", "lookahead_prefix", "lookahead_prefix_end", "lookahead_longer")
 # Targets that read the teacher's row after each student token's end.
-PAST_END_TARGETS = ("lookahead_end", "lookahead_prefix_end")
+PAST_END_TARGETS = ("lookahead_end", "lookahead_prefix_end", "lookahead_longer")
+# Targets whose groups and step past the end apply only at chunks of one student token over
+# several teacher tokens.
+LONGER_ONLY_TARGETS = ("lookahead_longer",)
 
 
 def target_depth(target: str, same_as_student: bool) -> int:
@@ -130,6 +146,7 @@ def project_lookahead(
     log_rest: Tensor,
     single: Tensor | None = None,
     groups: PrefixGroups | None = None,
+    only: Tensor | None = None,
 ) -> Buckets:
     """The lookahead target's buckets `[C, L]` (module docstring).
 
@@ -141,7 +158,9 @@ def project_lookahead(
     (`lookahead_end`, `lookahead_prefix_end`): chunks of one student token; the rows past a
     chunk's last teacher token then hold the teacher's top-k at the position after it. `groups`
     (`lookahead_prefix`, `lookahead_prefix_end`): the KD position's entries other than the
-    chunk's first teacher token go to their groups, from column `group_from` of the buckets on."""
+    chunk's first teacher token go to their groups, from column `group_from` of the buckets on.
+    `only [C]` (`lookahead_longer`): the chunks that take `single` and `groups`; the others get
+    the lookahead target."""
     depth = topk_ids.shape[1]
     ids, lp, obs = topk_ids.long(), topk_logprobs, observed.long()
     chain = prefix_chain(obs, projection, depth)
@@ -149,6 +168,8 @@ def project_lookahead(
     ok = (label >= 0) & (chain[:, 1] >= 0) & (depth > 1)
     start = continuation.active & ok
     past_end = single is not None
+    if past_end and only is not None:
+        single = single & only
     if past_end:  # a chunk of one token on each side starts its path at its end
         start = start | (single & ok & (length == 1) & (chain[:, 1] == label))
     hit0 = (ids[:, 0] == obs[:, :1]) & start.unsqueeze(-1)
@@ -156,7 +177,7 @@ def project_lookahead(
     cont0 = dataclasses.replace(continuation, active=continuation.active & ~expand)
     grouped, drop = None, hit0
     if groups is not None:
-        grouped, alt = _alternatives(ids[:, 0], lp[:, 0], obs[:, :1], groups)
+        grouped, alt = _alternatives(ids[:, 0], lp[:, 0], obs[:, :1], groups, only)
         drop = hit0 | alt
     flat, flat_logq, tail = topk_entries(
         ids[:, 0], lp[:, 0], tail_logprob[:, 0], projection, cont0, drop=drop
@@ -203,13 +224,15 @@ def project_lookahead(
 
 
 def _alternatives(
-    ids: Tensor, lp: Tensor, first: Tensor, groups: PrefixGroups
+    ids: Tensor, lp: Tensor, first: Tensor, groups: PrefixGroups, only: Tensor | None
 ) -> tuple[tuple[Tensor, Tensor], Tensor]:
     """The KD position's top-k entries `ids [C, K]` other than the chunk's first teacher token
-    `first [C, 1]` that have an event: (their events, −1 elsewhere; their log-probs), and the
-    mask of those entries."""
+    `first [C, 1]` that have an event, at the chunks `only [C]` (None: all): (their events, −1
+    elsewhere; their log-probs), and the mask of those entries."""
     event = groups.teacher_event.first_piece[ids.clamp(min=0)]
     alt = (ids != first) & (ids >= 0) & (event >= 0)
+    if only is not None:
+        alt = alt & only.unsqueeze(-1)
     return (torch.where(alt, event, -1), torch.where(alt, lp, NEG_INF)), alt
 
 

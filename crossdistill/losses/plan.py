@@ -45,7 +45,9 @@ class KDTerm:
     D − 1 after it) and the projected losses use the lookahead target (`losses.lookahead`);
     `past_end` (`lookahead_end`): the rows past a chunk's last teacher token are read too.
     A lookahead term whose projection has prefix groups (`lookahead_prefix`) puts the KD
-    position's alternatives in their groups."""
+    position's alternatives in their groups. `longer_only` (`lookahead_longer`): the groups and
+    the rows past the end apply only at chunks of one student token over several teacher
+    tokens."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -59,6 +61,7 @@ class KDTerm:
     first_t: Tensor | None = None
     lookahead: Tensor | None = None
     past_end: bool = False
+    longer_only: bool = False
 
     @property
     def temperature(self) -> float:
@@ -303,6 +306,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
     c, depth = term.lookahead.shape
     s0, s1, t0, t1 = chunks.unbind(-1)
     rest = [_span_sums(tg.next_logprobs, t0 - 1 + d, t1 - 1) for d in range(depth + 1)]
+    longer = (s1 - s0 == 1) & (t1 - t0 > 1) if term.longer_only else None
     return project_lookahead(
         tg.topk_ids.view(c, depth, -1),
         tg.topk_logprobs.view(c, depth, -1),
@@ -314,6 +318,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
         torch.stack(rest, -1),
         single=(s1 - s0 == 1) if term.past_end else None,
         groups=term.projection.groups,
+        only=longer,
     )
 
 

@@ -2,10 +2,12 @@
 lookahead_prefix`): the observed path as the lookahead target has it, and each of the KD
 position's other top-k entries compared with the group of student tokens whose first teacher
 piece it is, without the row's single-token buckets. With `past_end` (`lookahead_prefix_end`)
-the observed token's mass is also split past its end, as `lookahead_end` does.
+the observed token's mass is also split past its end, as `lookahead_end` does. `lookahead_longer`
+is that at chunks of several teacher tokens and the lookahead target at the others.
 
 - the buckets against the plain reference of `test_lookahead_target` with those entries placed
   by hand: in their group, or in the tail where the group holds one of the row's single tokens;
+  `lookahead_longer`'s, chunk by chunk, against the two targets it takes from;
 - the loss of such buckets, chunked pass and full-logits reference, against a plain float64 loss
   that sums the student's probability over each group's tokens (the row's singles left out),
   value and gradients, for every projected loss at τ = 1 and 2;
@@ -30,6 +32,7 @@ from crossdistill.losses.plan import build_plan
 from crossdistill.losses.projection import Buckets
 from tests.unit.test_lookahead_target import TAIL, Toy, reference, stacked, toy_chunks, toy_text
 from tests.unit.test_losses_student import ce_count, plain_divergence, rel, run
+from tests.unit.test_losses_targets import _from_buckets
 
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -125,12 +128,43 @@ def test_matches_plain_reference(seed, depth, past_end):
     assert clashes > 3 and grouped > 3 * len(rows)  # the draw exercises both placements
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_longer_only_takes_each_chunk_from_its_target(seed, depth):
+    """`lookahead_longer`: `lookahead_prefix_end`'s buckets at a chunk of several teacher
+    tokens, the lookahead target's (no groups, nothing past the end) at a chunk of one."""
+    toy, k = Toy(seed), 5
+    groups = toy_groups(toy)
+    rows = [r for r in toy_chunks(toy, seed, 120, depth) if len(r[1]) <= depth]
+    ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    args = (ids, top, tail, toy.proj, cont, obs, length, rest)
+    single = torch.ones(len(rows), dtype=torch.bool)
+    n_s, n_e = len(toy.student), groups.num_events
+    longer = length > 1
+    got = dense_buckets(project_lookahead(*args, single, groups, only=longer), n_s, n_e)
+    both = dense_buckets(project_lookahead(*args, single, groups), n_s, n_e)
+    plain = _from_buckets(project_lookahead(*args), n_s)
+    plain = torch.cat([plain[:, :n_s], torch.zeros(len(rows), n_e, dtype=F64), plain[:, n_s:]], -1)
+    assert 3 < int(longer.sum()) < len(rows) - 3
+    torch.testing.assert_close(got[longer], both[longer], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got[~longer], plain[~longer], rtol=1e-12, atol=1e-14)
+    # the two differ at chunks of one teacher token, so the comparison can tell them apart
+    assert int(((both[~longer] - plain[~longer]).abs().sum(-1) > 1e-12).sum()) > 3
+    assert not got.isnan().any()
+
+
 def plan_problem(
-    seed: int, loss: str, k: int = 5, depth: int = 3, tau: float = 1.0, past_end: bool = False
+    seed: int,
+    loss: str,
+    k: int = 5,
+    depth: int = 3,
+    tau: float = 1.0,
+    past_end: bool = False,
+    longer_only: bool = False,
 ):
     """A text as toy student tokens (one chunk each) over random teacher splits, the teacher's
     logits at random, and the lookahead term whose projection carries prefix groups
-    (`past_end`: `lookahead_prefix_end`)."""
+    (`past_end`: `lookahead_prefix_end`; with `longer_only`: `lookahead_longer`)."""
     toy = Toy(seed)
     toy.proj.groups = toy_groups(toy)
     gen = torch.Generator().manual_seed(50 + seed)
@@ -138,7 +172,7 @@ def plan_problem(
     labels = t.labels
     params = {"jsd": {"beta": 0.3}, "skew_kl": {"alpha": 0.2}}.get(loss, {})
     term = KDTerm(t.targets, toy.proj, t.chunks, torch.tensor(1.0), loss, params=params)
-    term.lookahead, term.past_end = t.ahead, past_end
+    term.lookahead, term.past_end, term.longer_only = t.ahead, past_end, longer_only
     term.denominator = kd_count(term, labels).double()
     hidden = torch.randn(len(t.words), 6, generator=gen, dtype=F64)
     weight = torch.randn(len(toy.student), 6, generator=gen, dtype=F64)
@@ -177,11 +211,17 @@ def plain_loss(hidden, weight, labels, term, kd_ratio):
     return loss, part
 
 
-@pytest.mark.parametrize("past_end", [False, True])
+@pytest.mark.parametrize(
+    "past_end, longer_only",
+    [(False, False), (True, False), (True, True)],
+    ids=["lookahead_prefix", "lookahead_prefix_end", "lookahead_longer"],
+)
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 @pytest.mark.parametrize("loss", DISTRIBUTION_LOSSES)
-def test_loss_matches_plain_float64_reference(loss, tau, past_end):
-    hidden, weight, labels, term = plan_problem(1, loss, tau=tau, past_end=past_end)
+def test_loss_matches_plain_float64_reference(loss, tau, past_end, longer_only):
+    hidden, weight, labels, term = plan_problem(
+        1, loss, tau=tau, past_end=past_end, longer_only=longer_only
+    )
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     want, part = plain_loss(h, w, labels, term, 0.6)
@@ -203,6 +243,18 @@ def test_groups_change_the_loss_of_the_lookahead_target():
     assert abs(grouped.item() - plain.item()) > 1e-3 * abs(plain.item())
 
 
+def test_longer_only_sits_between_lookahead_and_lookahead_prefix_end():
+    """The same problem as `lookahead_prefix_end`, as `lookahead_longer` and as the lookahead
+    target: three values, and the term's flag is what separates the first two."""
+    hidden, weight, labels, term = plan_problem(2, "forward_kl", past_end=True)
+    both = run("chunked", hidden, weight, labels, [term])[0].item()
+    term.longer_only = True
+    longer = run("chunked", hidden, weight, labels, [term])[0].item()
+    term.projection.groups, term.past_end, term.longer_only = None, False, False
+    plain = run("chunked", hidden, weight, labels, [term])[0].item()
+    assert abs(longer - both) > 1e-3 * abs(both) and abs(longer - plain) > 1e-3 * abs(plain)
+
+
 def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, tokenizer_dir):
     """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
     finite first KD values, `lookahead_prefix`'s not the lookahead target's, and at a top-k of
@@ -218,6 +270,7 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
         ("lookahead_prefix", 64),
         ("lookahead_prefix", TOP_K_END),
         ("lookahead_prefix_end", TOP_K_END),
+        ("lookahead_longer", TOP_K_END),
     ):
         cfg = h.trainer_config(tmp_path / f"{target}-{top_k}", tokenizer_dir, 2, eval_every=2)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, top_k
@@ -228,6 +281,8 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
     # past the end the moved mass is p(t_0)·p(joins) ~ 1/V² under a nearly uniform teacher:
     # tiny, but the run is deterministic and without the rows past the end it is the same run
     assert kd["lookahead_prefix_end", TOP_K_END] != kd["lookahead_prefix", TOP_K_END]
+    # `lookahead_longer` leaves the groups and the end step out at one-to-one chunks
+    assert kd["lookahead_longer", TOP_K_END] != kd["lookahead_prefix_end", TOP_K_END]
 
 
 def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokenizer_dir):
@@ -236,7 +291,7 @@ def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokeniz
     from tests.distributed import _harness as h
 
     cfg = h.trainer_config(tmp_path, tokenizer_dir, 2, eval_every=2)
-    for target in ("lookahead_prefix", "lookahead_prefix_end"):
+    for target in ("lookahead_prefix", "lookahead_prefix_end", "lookahead_longer"):
         cfg.teachers[0].target = target
         cfg.teachers[0].cache = None
         cfg.student.parallel.tp = 2
