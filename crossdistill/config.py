@@ -150,7 +150,8 @@ class TeacherConfig(ModelConfig):
     # "lookahead_prefix_end" is "lookahead_prefix" that also reads past the end, as
     # "lookahead_end" does;
     # "lookahead_longer" is "lookahead_prefix_end" at the chunks of one student token over
-    # several teacher tokens and "lookahead" at the others
+    # several teacher tokens and "lookahead" at the others (kept to compare with; it did not
+    # beat "lookahead_prefix_end")
     target: Target = "auto"
     # the chunks that get a KD term: "all", or "single_side": none at a chunk of several tokens
     # on both sides, where the student's first token ends inside a teacher token and no

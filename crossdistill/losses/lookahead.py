@@ -48,7 +48,10 @@ teacher tokens, and `lookahead` everywhere else. The groups and the step past th
 the target at one-to-one chunks too: there the student's token is the teacher's, the first
 piece is exact, and the groups only widen the other entries' buckets and the end step only
 moves the observed token's mass to longer student tokens. This target keeps them where the
-student's token is the longer one, which the first piece and `lookahead` serve worst.
+student's token is the longer one, which the first piece and `lookahead` serve worst. It did not
+do better than `lookahead_prefix_end` (`benchmarks/README.md`, "`lookahead_longer`"): the
+student's mass is shared between its short and long tokens, so what a target does at one kind of
+chunk moves its predictions at the other. It stays to rerun that comparison.
 """
 
 from __future__ import annotations
