@@ -188,7 +188,7 @@ def decompressed(path: str) -> str:
     import fcntl
 
     plain = Path(path).name[: -len(Path(path).suffix)]
-    source, state = _copy_keys(path)
+    source, state = _source_keys(path)
     cached = cache_path("decompressed", f"{source}-{state}-{plain}")
     if str(cached) in _LEASES and cached.is_file():
         _prune_copies(cached, f"{source}-*-{plain}")
@@ -231,7 +231,7 @@ def decompressed(path: str) -> str:
     )
 
 
-def _copy_keys(path: str) -> tuple[str, str]:
+def _source_keys(path: str) -> tuple[str, str]:
     """(a key of `path`'s absolute path, a key of its size and modification time)."""
     st = os.stat(path)
     where = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
@@ -253,8 +253,7 @@ def _prune_copies(current: Path, pattern: str) -> None:
             with open(lease_path, "a") as lease:
                 fcntl.flock(lease, fcntl.LOCK_EX | fcntl.LOCK_NB)  # fails while a run reads it
                 if old.exists():  # not removed by another process meanwhile
-                    index = cache_path("jsonl-index", f"{_file_key(str(old))}.npy")
-                    index.unlink(missing_ok=True)
+                    _index_path(*_source_keys(str(old))).unlink(missing_ok=True)
                     old.unlink()
                 (old.parent / f".{old.name}.lock").unlink(missing_ok=True)
                 lease_path.unlink(missing_ok=True)
@@ -370,30 +369,35 @@ class JsonlSource:
 
 def jsonl_index(path: str) -> np.ndarray:
     """Line-start offsets of a JSONL file, int64 `[num_lines + 1]`, memory-mapped from a cache
-    file (`$CROSSDISTILL_CACHE`, default `~/.cache/crossdistill`) keyed by path, size and mtime."""
-    st = os.stat(path)
-    cached = cache_path("jsonl-index", f"{_file_key(path)}.npy")
+    file (`$CROSSDISTILL_CACHE`, default `~/.cache/crossdistill`) keyed by path, size and mtime.
+    Writing it removes the indexes of the same path's earlier versions: they can no longer be
+    read, and a corpus that grows would leave one behind each time (a process that has one
+    mapped keeps reading it; the file goes when it unmaps)."""
+    source, state = _source_keys(path)
+    cached = _index_path(source, state)
     if cached.is_file():
         try:
             return np.load(cached, mmap_mode="r")
         except (OSError, ValueError):
             pass  # a torn write; rebuild below
-    offsets = _scan_line_starts(path, st.st_size)
+    offsets = _scan_line_starts(path, os.stat(path).st_size)
 
     def write(tmp: Path) -> None:
         with open(tmp, "wb") as f:
             np.save(f, offsets)
 
     if write_atomic(cached, write):
+        for old in cached.parent.glob(f"{source}-*.npy"):
+            if old != cached:
+                old.unlink(missing_ok=True)
         return np.load(cached, mmap_mode="r")
     return offsets  # read-only home: keep the index in memory
 
 
-def _file_key(path: str) -> str:
-    """A cache key of a file's path, size and modification time."""
-    st = os.stat(path)
-    key = f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}"
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
+def _index_path(source: str, state: str) -> Path:
+    """Where the line index of a file is cached, by the keys of its path and of its size and
+    modification time (`_source_keys`)."""
+    return cache_path("jsonl-index", f"{source}-{state}.npy")
 
 
 def _scan_line_starts(path: str, size: int) -> np.ndarray:

@@ -58,6 +58,26 @@ def test_jsonl_index_matches_plain_split(tmp_path):
         assert src.read(150, 160) == want[150:160]
 
 
+def test_a_changed_jsonl_keeps_one_index_and_a_mapped_one_still_reads(tmp_path):
+    """Each version of a plain JSONL file gets its own index; writing one removes the same
+    path's earlier ones, not another file's, and an index already mapped reads on."""
+    indexes = tmp_path / "cache" / "jsonl-index"
+    path, other = tmp_path / "c.jsonl", tmp_path / "d.jsonl"
+    write_jsonl(other, _docs(5))
+    jsonl_index(str(other))
+    mapped = None
+    for n in (10, 20, 30):
+        write_jsonl(path, _docs(n))
+        os.utime(path, ns=(n * 10**9, n * 10**9))  # a new mtime even on a coarse clock
+        offsets = jsonl_index(str(path))
+        assert len(offsets) == n + 1
+        if mapped is None:
+            mapped, first_size = offsets, path.stat().st_size
+        assert len(list(indexes.glob("*.npy"))) == 2  # this version's and the other file's
+    assert len(np.asarray(jsonl_index(str(other)))) == 6
+    assert len(mapped) == 11 and int(mapped[-1]) == first_size  # removed, and still mapped
+
+
 def _write_all_formats(tmp_path, docs):
     jl = write_jsonl(tmp_path / "d.jsonl", docs)
     table = pa.table({"text": docs, "other": list(range(len(docs)))})
