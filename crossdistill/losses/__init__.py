@@ -10,7 +10,8 @@
   reference backend.
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
   lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
-  other tokens, and both only where the student's token is the longer (`teachers.N.target`).
+  other tokens, both of those, and both only where the student's token is the longer one
+  (`teachers.N.target`).
 - `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
   its PyTorch reference), the second for targets with token-group buckets.
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
