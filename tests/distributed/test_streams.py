@@ -109,14 +109,19 @@ def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "no
 # hardly move the values. At 1024, the rows `lookahead_end` reads past the chunks' ends move
 # the KD values by about 1e-4 of their size (ten times `REL`; at 16, not at all).
 LOOKAHEAD_TOP_K = 1024
+# The groups take up part of what those rows move: at 1024, `lookahead_prefix_end`'s move its KD
+# values by 2.0e-5 of their size against `lookahead_prefix`, at the margin of the check below;
+# at 4096, by 4.8e-5. Its runs, and a `lookahead_prefix` run to compare them with, take this
+# top-k.
+PREFIX_TOP_K = 4096
 PREFIX = {"target": "lookahead_prefix", "top_k": LOOKAHEAD_TOP_K}
 
 
-def _lookahead_cases(target: str, pipeline: bool) -> list[tuple]:
+def _lookahead_cases(target: str, pipeline: bool, top_k: int = LOOKAHEAD_TOP_K) -> list[tuple]:
     """`runs` cases of a lookahead target: colocated, separate, a teacher tensor-parallel over
     two processes of its own serving two data ranks and its colocated reference, and with
     `pipeline` a student in two stages."""
-    at = {"target": target, "top_k": LOOKAHEAD_TOP_K}
+    at = {"target": target, "top_k": top_k}
     tp2 = {**at, "ranks": 2, "parallel": {"tp": 2}}
     cases = [
         (f"{target}-colocated", (), 1, None, at),
@@ -161,7 +166,8 @@ def runs(base):
         ("lookahead_prefix-colocated", (), 1, None, PREFIX),
         ("lookahead_prefix-separate", ("qwen",), 2, None, PREFIX),
         # lookahead_prefix_end (`auto`'s far-pair target): lookahead_end's rows, grouped
-        *_lookahead_cases("lookahead_prefix_end", pipeline=True),
+        *_lookahead_cases("lookahead_prefix_end", pipeline=True, top_k=PREFIX_TOP_K),
+        ("lookahead_prefix-wide-colocated", (), 1, None, {**PREFIX, "top_k": PREFIX_TOP_K}),
     ]
     out = {}
     for i, (key, separate, processes, stop, settings) in enumerate(cases):
@@ -204,8 +210,9 @@ def test_a_teacher_serving_two_data_ranks_gives_the_colocated_run(runs, name, re
     _assert_same(runs[name], runs[reference], name)
 
 
-# the target each past-the-end target extends: the rows past the ends must move its KD values
-WITHOUT_END = {"lookahead_end": "lookahead", "lookahead_prefix_end": "lookahead_prefix"}
+# the target each past-the-end target extends, at the same top-k: the rows past the ends must
+# move its KD values
+WITHOUT_END = {"lookahead_end": "lookahead", "lookahead_prefix_end": "lookahead_prefix-wide"}
 
 
 @pytest.mark.parametrize("target", ["lookahead", "lookahead_end", "lookahead_prefix_end"])
