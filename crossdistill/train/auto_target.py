@@ -20,10 +20,12 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
 - **Pairs between** (Qwen3 for a Llama-3 student on Perl's numbers; the demo's pair): the far
   pairs' choices. Where one student token spans several teacher tokens, the first piece gives
   the teacher's first token's mass to a shorter student token that the text does not use
-  there, and taught the student worse than CE only; `lookahead_prefix_end` follows the teacher's path to the
-  student's token, and over both pairs' paired seeds its total was lower than the first
-  piece's (benchmarks/README.md, "The three targets on Perl's near pair"). From a cache,
-  though, the first piece: `context` lost to it on the demo's pair.
+  there, and taught the student worse than CE only; `lookahead_prefix_end` follows the
+  teacher's path to the student's token, and over both pairs' paired seeds its total was lower
+  than the first piece's (benchmarks/README.md, "The three targets on Perl's near pair"). A
+  target that keeps `lookahead` at the one-to-one chunks, `lookahead_longer`, did worse
+  (section "`lookahead_longer`"). From a cache, though, the first piece: `context` lost to it
+  on the demo's pair.
 
 A teacher with the student's tokenizer, or a loss without a projected target
 (`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do
