@@ -38,6 +38,13 @@ Over all KD positions, how the `hkl` loss (X-Token's hybrid KL) pairs the observ
 token (`alignment.projection.relaxed_matches`): `hkl_exact`, with its exact student twin (as
 `gold` does); `hkl_relaxed`, with a longer student token it starts; `hkl_unpaired`, neither.
 
+Over the one-to-one KD positions (one token on each side), how much a group of the prefix targets
+(`lookahead_prefix`, `lookahead_prefix_end`) leaves to the student, with the observed teacher
+token standing in for the teacher's alternatives there: `one_to_one`, their share of all KD
+positions; `grouped`, the share of them whose teacher token's group (the student tokens whose
+first teacher piece it is) holds more than one student token, so the target gives the group's
+total and not its split; `group_size`, the mean size of those groups.
+
 Over all KD positions, what `teachers.N.target: lookahead_end` reads past the student's token:
 
 - `end_step`: the path reaches the student's token (one student token, m < D, every prefix a
@@ -110,6 +117,9 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     hkl = np.zeros(3, dtype=np.int64)  # exact, relaxed, unpaired
     groups = PrefixGroups.from_first_pieces(build_projection(tok_s, tok_t).first_piece, forward)
     event_s, event_t = groups.student_event.numpy(), groups.teacher_event.first_piece.numpy()
+    size = np.bincount(event_s, minlength=groups.num_events + 1)[: groups.num_events]
+    size_of_t = np.where(event_t >= 0, size[event_t.clip(min=0)], 0)  # a teacher id's group
+    one_to_one = grouped = group_sizes = 0
     counts = dict.fromkeys(KINDS, 0)
     label_bytes = target_bytes = predicted = prefix_right = 0
     pieces_t, known = bytes_t.pieces(), {p for p in bytes_s.pieces() if p}
@@ -145,6 +155,10 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
             followed = path_length(ids_t[t0 : min(t1, t0 + LOOKAHEAD_DEPTH)], pieces_t, known)
             started += followed > 0
             reach += followed == t1 - t0
+        single = observed_t[(at[:, 1] - at[:, 0] == 1) & (at[:, 3] - at[:, 2] == 1)]
+        one_to_one += single.size
+        grouped += int((size_of_t[single] > 1).sum())
+        group_sizes += int(size_of_t[single].sum())
         one = at[at[:, 1] - at[:, 0] == 1]
         for s0, t0, t1 in one[:, [0, 2, 3]].tolist():
             m = t1 - t0
@@ -173,6 +187,9 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     out["lookahead_started"] = started / max(n_multi, 1)
     out["lookahead_reach_of_kd"] = reach / max(total, 1)
     out["lookahead_started_of_kd"] = started / max(total, 1)
+    out["one_to_one"] = one_to_one / max(total, 1)
+    out["grouped"] = grouped / max(one_to_one, 1)
+    out["group_size"] = group_sizes / max(one_to_one, 1)
     out["end_step"] = end_step / max(total, 1)
     out["end_joinable"] = end_joinable / max(end_step, 1)
     out["end_observed_joins"] = end_observed / max(end_joinable, 1)
@@ -224,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         cells = " | ".join(f"{r[k]:.1%}" for k in ("multi", "lookahead_started", "lookahead_reach"))
         tail = " | ".join(f"{v:.1%}" for v in r["multi_length"].values())
         print(f"| {path} | {cells} | {tail} |")
+    print("\n| teacher | one to one (of KD positions) | grouped (of those) | mean group size |")
+    print("|---|---|---|---|")
+    for path, r in rows.items():
+        print(f"| {path} | {r['one_to_one']:.1%} | {r['grouped']:.1%} | {r['group_size']:.2f} |")
     print("\n| teacher | end step (of KD positions) | joinable (of end steps) | observed joins |")
     print("|---|---|---|---|")
     for path, r in rows.items():

@@ -729,6 +729,11 @@ def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     assert same["end_step"] == 1.0 and 0.5 < far["end_step"] <= 1.0
     for r in (same, far):
         assert 0.0 < r["end_joinable"] <= 1.0 and 0.0 <= r["end_observed_joins"] < 0.1
+    # the groups at one-to-one KD positions: one token each under an identical teacher (the
+    # target then says what a same-tokenizer teacher says); under Llama-2 most hold several
+    assert same["one_to_one"] == 1.0 and same["grouped"] == 0.0 and same["group_size"] == 1.0
+    assert far["one_to_one"] == pytest.approx(far["right"], abs=0.01)
+    assert far["grouped"] > 0.5 and far["group_size"] > 10.0
 
 
 def test_student_noise_script_repeats_one_config_identically_on_cpu(tokenizer_dir, tmp_path):
