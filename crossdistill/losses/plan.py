@@ -67,6 +67,16 @@ class KDTerm:
     def temperature(self) -> float:
         return self.targets.temperature
 
+    @property
+    def target(self) -> str:
+        """The name of the target the term's fields select (`teachers.N.target`)."""
+        if self.lookahead is None:
+            return "first_piece" if self.first_t is None else "context"
+        if self.longer_only:
+            return "lookahead_longer"
+        name = "lookahead_prefix" if self.projection.groups is not None else "lookahead"
+        return f"{name}_end" if self.past_end else name
+
     def check(self) -> None:
         if self.loss not in LOSSES:
             choices = ", ".join(LOSSES)
@@ -76,13 +86,12 @@ class KDTerm:
             raise UserError(f"jsd needs 0 < beta < 1 (teacher {self.name!r}), got {beta}")
         if self.loss == "skew_kl" and not 0.0 <= alpha < 1.0:
             raise UserError(f"skew_kl needs 0 <= alpha < 1 (teacher {self.name!r}), got {alpha}")
-        target = "context" if self.lookahead is None else "lookahead"
-        target = "lookahead_end" if self.past_end else target
         if (self.first_t is not None or self.lookahead is not None) and self.loss not in (
             DISTRIBUTION_LOSSES
         ):
             raise UserError(
-                f"the {target} target needs a projected loss ({', '.join(DISTRIBUTION_LOSSES)}); "
+                f"the {self.target} target needs a projected loss "
+                f"({', '.join(DISTRIBUTION_LOSSES)}); "
                 f"teacher {self.name!r} uses {self.loss}: set its target to first_piece"
             )
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from crossdistill.config import DISTRIBUTION_LOSSES
+from crossdistill.errors import UserError
 from crossdistill.losses import (
     KDTerm,
     PrefixGroups,
@@ -255,6 +256,24 @@ def test_longer_only_sits_between_lookahead_and_lookahead_prefix_end():
     assert abs(longer - both) > 1e-3 * abs(both) and abs(longer - plain) > 1e-3 * abs(plain)
 
 
+def test_a_term_refusing_its_loss_names_its_target():
+    """Each lookahead variant, built without the config, is refused by its own name when its
+    loss has no projected form."""
+    term = plan_problem(0, "chunk_likelihood", past_end=True)[3]
+    for longer_only, groups, past_end, name in (
+        (True, True, True, "lookahead_longer"),
+        (False, True, True, "lookahead_prefix_end"),
+        (False, True, False, "lookahead_prefix"),
+        (False, False, True, "lookahead_end"),
+        (False, False, False, "lookahead"),
+    ):
+        term.longer_only, term.past_end = longer_only, past_end
+        term.projection.groups = term.projection.groups if groups else None
+        assert term.target == name
+        with pytest.raises(UserError, match=f"the {name} target needs a projected loss"):
+            term.check()
+
+
 def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, tokenizer_dir):
     """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
     finite first KD values, `lookahead_prefix`'s not the lookahead target's, and at a top-k of
@@ -286,7 +305,6 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
 
 
 def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokenizer_dir):
-    from crossdistill.errors import UserError
     from crossdistill.train.validate import validate_config
     from tests.distributed import _harness as h
 
