@@ -71,7 +71,9 @@ class KDTerm:
     def target(self) -> str:
         """The name of the target the term's fields select (`teachers.N.target`)."""
         if self.lookahead is None:
-            return "first_piece" if self.first_t is None else "context"
+            if self.first_t is not None:
+                return "context"
+            return "first_piece" if self.projection.groups is None else "prefix"
         if self.longer_only:
             return "lookahead_longer"
         name = "lookahead_prefix" if self.projection.groups is not None else "lookahead"

@@ -272,6 +272,10 @@ def test_a_term_refusing_its_loss_names_its_target():
         assert term.target == name
         with pytest.raises(UserError, match=f"the {name} target needs a projected loss"):
             term.check()
+    term.lookahead, term.longer_only, term.past_end = None, False, False
+    assert term.target == "first_piece"  # the groups are None after the last case
+    term.projection.groups = plan_problem(0, "forward_kl")[3].projection.groups
+    assert term.target == "prefix"
 
 
 def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, tokenizer_dir):
