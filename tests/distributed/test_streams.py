@@ -109,10 +109,10 @@ def _variant(base, name: str, separate: tuple[str, ...] = (), payload: str = "no
 # hardly move the values. At 1024, the rows `lookahead_end` reads past the chunks' ends move
 # the KD values by about 1e-4 of their size (ten times `REL`; at 16, not at all).
 LOOKAHEAD_TOP_K = 1024
-# The groups take up part of what those rows move: at 1024, `lookahead_prefix_end`'s move its KD
-# values by 2.0e-5 of their size against `lookahead_prefix`, at the margin of the check below;
-# at 4096, by 4.8e-5. Its runs, and a `lookahead_prefix` run to compare them with, take this
-# top-k.
+# The groups take up part of what those rows move, so at 1024 `lookahead_prefix_end`'s move its
+# KD values against `lookahead_prefix` by about the check's bar below; a wider top-k gives the
+# step past the end more entries to move. Its runs, and a `lookahead_prefix` run to compare them
+# with, take this top-k.
 PREFIX_TOP_K = 4096
 PREFIX = {"target": "lookahead_prefix", "top_k": LOOKAHEAD_TOP_K}
 
