@@ -42,7 +42,7 @@ DEMO_SIZES = {
 STUDENT_DIR = "tokenizer_student"
 TEACHER_DIR = "tokenizer_teacher"
 FINGERPRINT_FILE = "crossdistill_demo.json"
-_FORMAT = 2  # bump when the recipes below change, so cached tokenizers are retrained
+_FORMAT = 3  # bump when the recipes below change, so cached tokenizers are retrained
 _SKIP_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "__pycache__"}
 _MIN_FILES = 2  # one to train on and one held out
 
@@ -58,6 +58,7 @@ STUDENT_SPECIALS = {
     "pad_token": "<pad>",
 }
 SPIECE_SPACE = "\u2581"  # "▁"
+STUDENT_ALPHABET = 200  # characters the student's BPE starts from; rarer ones use byte fallback
 # The student's split: whitespace-separated words keep their leading "▁",
 # runs of whitespace (indentation) stay together apart from the space that starts the next word.
 _STUDENT_SPLIT = r"▁?[^\s▁]+|[\s▁]+(?![^\s▁])|[\s▁]+"
@@ -219,10 +220,15 @@ def _train_student(texts: Sequence[str], vocab_size: int):
             decoders.Strip(" ", 1, 0),
         ]
     )
+    # The trainer's own `limit_alphabet` breaks ties in character counts in hash-map order,
+    # which differs from process to process: the alphabet is chosen here, and the trainer
+    # keeps exactly it (its characters count as infinitely frequent, so every other one goes).
+    alphabet = student_alphabet(texts, tok.normalizer, STUDENT_ALPHABET)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - 256,  # room for the byte tokens added below
         special_tokens=list(STUDENT_SPECIALS.values()),
-        limit_alphabet=200,  # rarer characters go through byte fallback
+        initial_alphabet=alphabet,
+        limit_alphabet=len(alphabet),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
@@ -243,6 +249,19 @@ def _train_student(texts: Sequence[str], vocab_size: int):
         special_tokens=[(bos, student.token_to_id(bos))],
     )
     return student
+
+
+def student_alphabet(texts: Sequence[str], normalizer, limit: int) -> list[str]:
+    """The `limit` most frequent characters of `texts` as `normalizer` leaves them (the
+    characters the trainer counts), ties broken by code point; the rarer ones go through byte
+    fallback."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(normalizer.normalize_str(text))
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], ord(kv[0])))
+    return sorted(c for c, _ in ranked[:limit])
 
 
 def _save_hf_folder(backend, specials: dict[str, str], folder: Path, fingerprint: str) -> None:

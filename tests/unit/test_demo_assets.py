@@ -14,6 +14,7 @@ from crossdistill.train.demo_assets import (
     DEMO_SIZES,
     FINGERPRINT_FILE,
     SPIECE_SPACE,
+    STUDENT_ALPHABET,
     stdlib_corpus,
     train_demo_tokenizers,
 )
@@ -168,6 +169,23 @@ def test_tokenizers_are_cached_by_corpus(small_tokenizers):
     train_demo_tokenizers(train[:-1], out, val_texts=val, **SMALL)  # another corpus: retrained
     assert (student_dir / FINGERPRINT_FILE).read_text() != fingerprint
     assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
+
+
+def test_student_alphabet_does_not_depend_on_the_process(tmp_path):
+    """More distinct characters than the student's alphabet holds, most of them seen once: which
+    of the tied ones the student keeps must not change from one training to the next (the
+    trainer's own cut-off picks among ties in hash-map order, new in every training)."""
+    rare = [chr(0x4E00 + i) for i in range(2 * STUDENT_ALPHABET)]
+    train = ["def f(x):\n    return x + 1\n" * 40, "".join(rare)]
+    val = ["def g(y):\n    return y\n"]
+    vocabs = []
+    for i in range(3):
+        student_dir, _ = train_demo_tokenizers(train, tmp_path / str(i), val_texts=val, **SMALL)
+        vocabs.append(load_tokenizer(str(student_dir)).get_vocab())
+    assert vocabs[0] == vocabs[1] == vocabs[2]
+    kept = sorted(c for c in rare if c in vocabs[0])
+    common = set(SPIECE_SPACE + train[0].replace(" ", SPIECE_SPACE))
+    assert kept == rare[: STUDENT_ALPHABET - len(common)]  # ties go to the lowest code points
 
 
 def test_empty_corpus_is_a_user_error(tmp_path):
