@@ -15,6 +15,9 @@ Students train on the demo's first `student_bytes` of the teachers' text (`--stu
 Each run is scored twice: its own validation (the first `eval_batches` batches of the held-out
 files, the `*_bpb` keys) and every held-out file (`*_heldout_bpb`, as the demo reports).
 
+`--targets A+B` trains a student under two KD terms from the same teacher, one under target A
+and one under B, each at half the weight: a target between the two, without a new one.
+
 `--losses` runs other KD losses too (e.g. `chunk_likelihood`, which compares the likelihoods
 of whole aligned chunks and needs no vocabulary projection). Prints one JSON object (held-out bits
 per byte of every run) and writes it to `--out`/`kd_sensitivity.json`. Runs already made in
@@ -121,8 +124,14 @@ def run_seed(
         tag += "" if target == "first_piece" else f"_{target}"
         tag += ("" if chunks == "all" else f"_{chunks}") + ("" if ce == "ratio" else f"_ce{ce}")
         tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + t_tag + lr_tag
+        # "A+B": one teacher read twice, under target A and under target B, each at weight 1/2
+        parts = target.split("+")
+        entries = [
+            {**entry, "name": f"teacher_{i}", "target": part, "weight": 1 / len(parts)}
+            for i, part in enumerate(parts)
+        ]
         for ratio in kd_ratios:
-            cfg = student_stage(f"kd_{tag}_{ratio}", [entry])
+            cfg = student_stage(f"kd_{tag}_{ratio}", entries)
             cfg.train.kd_ratio = ratio
             cfg.train.ce_without_kd = ce
             score(cfg, f"kd_{tag}_{ratio}")
@@ -130,7 +139,7 @@ def run_seed(
 
 
 def main() -> int:
-    from crossdistill.config import CEWithoutKD, KDChunks
+    from crossdistill.config import CEWithoutKD, KDChunks, Target
 
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -140,7 +149,11 @@ def main() -> int:
     p.add_argument("--losses", nargs="+", default=["forward_kl"], help="KD losses to run")
     p.add_argument("--teachers", nargs="+", default=["cross", "same"], choices=["cross", "same"])
     p.add_argument(
-        "--targets", nargs="+", default=["first_piece"], help="projected losses' targets"
+        "--targets",
+        nargs="+",
+        default=["first_piece"],
+        help="projected losses' targets; A+B: the same teacher in two KD terms of weight 1/2, "
+        "one under target A and one under B",
     )
     for flag, kind, default, setting in (
         ("--kd-chunks", KDChunks, "all", "teachers.N.kd_chunks"),
@@ -164,6 +177,10 @@ def main() -> int:
     )
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
+    for target in args.targets:
+        unknown = [t for t in target.split("+") if t not in get_args(Target)]
+        if unknown:
+            p.error(f"--targets {target}: unknown target {unknown[0]!r}; one of {get_args(Target)}")
     out = Path(args.out)
     from crossdistill.bench import library_versions
     from crossdistill.train.demo import DEMO

@@ -1,0 +1,20 @@
+"""`benchmarks/kd_sensitivity.py`'s settings are checked before anything trains."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "kd_sensitivity.py"
+
+
+def test_an_unknown_target_in_a_pair_is_refused_with_the_choices(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--targets", "lookahead_end+lookahead_ends",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "unknown target 'lookahead_ends'" in run.stderr and "lookahead_prefix_end" in run.stderr
+    assert not any(tmp_path.iterdir())  # refused before any corpus or run was written
