@@ -41,7 +41,13 @@ from typing import Any
 from crossdistill.bench import library_versions
 from crossdistill.bench.quality_corpus import bytes_per_token, share_path, write_corpus
 from crossdistill.bench.quality_report import Cell, summarize
-from crossdistill.bench.quality_spec import ARCH_KEYS, QualitySpec, Scale, cell_settings
+from crossdistill.bench.quality_spec import (
+    ARCH_KEYS,
+    QualitySpec,
+    Scale,
+    cell_settings,
+    target_parts,
+)
 from crossdistill.config import (
     DISTRIBUTION_LOSSES,
     Config,
@@ -424,18 +430,22 @@ class Experiment:
         s, spec = self.spec.scale, self.spec
         teachers = []
         if cell.teacher is not None:
-            teachers = [
-                {
-                    "name": "teacher",
-                    "path": str(self.teacher_paths[(cell.teacher, teacher_seed)]),
-                    "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
-                    "loss": cell.loss,
-                    "target": cell.target,
-                    "top_k": spec.top_k,
-                    "temperature": spec.temperature,
-                    "kd_chunks": cell.kd_chunks,
-                }
-            ]
+            parts = target_parts(cell.target)
+            for target in parts:
+                teachers.append(
+                    {
+                        "name": "teacher" if len(parts) == 1 else f"teacher_{target}",
+                        "path": str(self.teacher_paths[(cell.teacher, teacher_seed)]),
+                        "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
+                        "loss": cell.loss,
+                        "target": target,
+                        "top_k": spec.top_k,
+                        "temperature": spec.temperature,
+                        "kd_chunks": cell.kd_chunks,
+                    }
+                )
+                if len(parts) > 1:  # one KD term per target, the weight shared equally
+                    teachers[-1]["weight"] = 1 / len(parts)
         folder = f"seed{seed}" + (f"-teacher{teacher_seed}" if teacher_seed else "")
         run_dir = self.out / "students" / cell.name / folder
         cfg = run_config(

@@ -75,10 +75,11 @@ def add_parser(subparsers) -> None:
     p.add_argument(
         "--target",
         action="append",
-        choices=TARGETS,
         default=None,
+        metavar="{" + ",".join(TARGETS) + "}",
         help=f"the projected losses' target (repeatable; default {TeacherConfig.target}): each "
-        "projected loss runs under each target, the other losses once",
+        "projected loss runs under each target, the other losses once; A+B: the teacher in one "
+        "KD term per target, each at half the KD weight",
     )
     for flag, choices, setting, default in (
         ("--kd-chunks", KDChunks, "teachers.N.kd_chunks", TeacherConfig.kd_chunks),

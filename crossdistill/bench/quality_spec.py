@@ -173,6 +173,13 @@ SCALES: dict[str, Scale] = {
 }
 
 
+def target_parts(target: str) -> list[str]:
+    """The targets of one `--target`: one name, or several joined by `+` (`A+B`), for a student
+    that learns from the teacher in one KD term per target, each at an equal share of the KD
+    weight: a target between them, measured without building one."""
+    return target.split("+")
+
+
 def cell_settings(losses: list[str], targets: list[str]) -> list[tuple[str, str]]:
     """The cross-tokenizer cells' (loss, target): every projected loss under every target, a
     loss without a projected target (`uld`, `gold`, `hkl`, `chunk_likelihood`) once, under the
@@ -232,8 +239,15 @@ class QualitySpec:
             if name not in LOSSES:
                 raise UserError(f"unknown --loss {name!r}; use one of {', '.join(LOSSES)}")
         for name in self.targets:
-            if name not in TARGETS:
-                raise UserError(f"unknown --target {name!r}; use one of {', '.join(TARGETS)}")
+            parts = target_parts(name)
+            for part in parts:
+                if part not in TARGETS:
+                    raise UserError(
+                        f"unknown --target {part!r}; use one of {', '.join(TARGETS)}, or two "
+                        "joined by + (lookahead_end+lookahead_prefix_end)"
+                    )
+            if len(set(parts)) != len(parts):
+                raise UserError(f"--target {name}: a target twice; name each target once")
         for flag, names, kind in (
             ("--kd-chunks", self.kd_chunks, KDChunks),
             ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),

@@ -838,3 +838,40 @@ def test_teacher_size_script_trains_each_size_and_counts_its_parameters(tokenize
     assert sizes["scale"]["teachers"]["gpt2"]["bpb"] != sizes["128x1"]["teachers"]["gpt2"]["bpb"]
     rows = [json.loads(line) for line in (tmp_path / "teachers.jsonl").read_text().splitlines()]
     assert len(rows) == 4
+
+
+def test_a_pair_of_targets_is_one_kd_term_per_target_at_half_the_weight(tmp_path, tokenizer_dir):
+    """`--target lookahead_end+lookahead_prefix_end`: one cell whose students learn from the same
+    teacher in two KD terms, one under each target, each at half the weight; a single target
+    keeps its one term at full weight; an unknown or repeated target is refused at load."""
+    from pathlib import Path
+
+    from crossdistill.bench.quality import Experiment, model_entry
+
+    teacher_tok = str(tokenizer_dir("llama2"))
+    pair = "lookahead_end+lookahead_prefix_end"
+    spec = parsed_spec(tmp_path, "--target", pair, "--target", "lookahead_prefix_end")
+    assert spec.targets == [pair, "lookahead_prefix_end"]
+    spec = replace(spec, student_tokenizer=str(tokenizer_dir("gpt2")),
+                   teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
+                   seeds=2)  # fmt: skip
+    exp = Experiment(spec, log=lambda _: None)
+    exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
+    exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
+    student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
+    cells = {cell.name: cell for cell in exp.cells}
+    both = exp._student(cells[f"cross-llama2-forward_kl-{pair}"], student, seed=0).cfg
+    one = exp._student(cells["cross-llama2-forward_kl-lookahead_prefix_end"], student, 0).cfg
+    assert [(t.target, t.weight, t.path) for t in both.teachers] == [
+        ("lookahead_end", 0.5, teacher_tok),
+        ("lookahead_prefix_end", 0.5, teacher_tok),
+    ]
+    assert len({t.name for t in both.teachers}) == 2
+    assert [(t.name, t.target, t.weight) for t in one.teachers] == [
+        ("teacher", "lookahead_prefix_end", 1.0)
+    ]
+    assert both.train.kd_ratio == one.train.kd_ratio
+    with pytest.raises(UserError, match="unknown --target 'lookahead_ends'"):
+        replace(spec, targets=["lookahead_end+lookahead_ends"]).check()
+    with pytest.raises(UserError, match="a target twice"):
+        replace(spec, targets=["lookahead_end+lookahead_end"]).check()
