@@ -243,8 +243,8 @@ class QualitySpec:
             for part in parts:
                 if part not in TARGETS:
                     raise UserError(
-                        f"unknown --target {part!r}; use one of {', '.join(TARGETS)}, or two "
-                        "joined by + (lookahead_end+lookahead_prefix_end)"
+                        f"unknown --target {part!r}; use one of {', '.join(TARGETS)}, or "
+                        "several joined by + (lookahead_end+lookahead_prefix_end)"
                     )
             if len(set(parts)) != len(parts):
                 raise UserError(f"--target {name}: a target twice; name each target once")

@@ -221,7 +221,7 @@ def _train_student(texts: Sequence[str], vocab_size: int):
         ]
     )
     # The trainer's own `limit_alphabet` breaks ties in character counts in hash-map order,
-    # which differs from process to process: the alphabet is chosen here, and the trainer
+    # which differs from one training to the next: the alphabet is chosen here, and the trainer
     # keeps exactly it (its characters count as infinitely frequent, so every other one goes).
     alphabet = student_alphabet(texts, tok.normalizer, STUDENT_ALPHABET)
     trainer = trainers.BpeTrainer(
