@@ -54,6 +54,7 @@ def run_seed(
     kd_chunks: tuple[str, ...] = ("all",),
     ce_without_kd: tuple[str, ...] = ("ratio",),
 ) -> dict:
+    from crossdistill.bench.quality_spec import target_parts
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
     from crossdistill.train import demo
@@ -125,7 +126,7 @@ def run_seed(
         tag += ("" if chunks == "all" else f"_{chunks}") + ("" if ce == "ratio" else f"_ce{ce}")
         tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + t_tag + lr_tag
         # "A+B": one teacher read twice, under target A and under target B, each at weight 1/2
-        parts = target.split("+")
+        parts = target_parts(target)
         entries = [
             {**entry, "name": f"teacher_{i}", "target": part, "weight": 1 / len(parts)}
             for i, part in enumerate(parts)
@@ -139,6 +140,7 @@ def run_seed(
 
 
 def main() -> int:
+    from crossdistill.bench.quality_spec import target_parts
     from crossdistill.config import CEWithoutKD, KDChunks, Target
 
     p = argparse.ArgumentParser(
@@ -178,7 +180,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
     for target in args.targets:
-        unknown = [t for t in target.split("+") if t not in get_args(Target)]
+        unknown = [t for t in target_parts(target) if t not in get_args(Target)]
         if unknown:
             p.error(f"--targets {target}: unknown target {unknown[0]!r}; one of {get_args(Target)}")
     out = Path(args.out)
