@@ -44,6 +44,7 @@ Target = Literal[
     "lookahead_prefix",
     "lookahead_prefix_end",
     "lookahead_longer",
+    "lookahead_mix",
 ]
 TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
@@ -151,7 +152,9 @@ class TeacherConfig(ModelConfig):
     # "lookahead_end" does;
     # "lookahead_longer" is "lookahead_prefix_end" at the chunks of one student token over
     # several teacher tokens and "lookahead" at the others (kept to compare with; it did not
-    # beat "lookahead_prefix_end")
+    # beat "lookahead_prefix_end");
+    # "lookahead_mix" is half "lookahead_end" and half "lookahead_prefix_end": both divergences
+    # from one teacher pass, each at half the teacher's weight
     target: Target = "auto"
     # the chunks that get a KD term: "all", or "single_side": none at a chunk of several tokens
     # on both sides, where the student's first token ends inside a teacher token and no

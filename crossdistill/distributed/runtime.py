@@ -38,6 +38,7 @@ from crossdistill.distributed.streams import TargetStream
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import (
     LONGER_ONLY_TARGETS,
+    MIX_TARGETS,
     KDTerm,
     TeacherTargets,
     VocabProjection,
@@ -422,6 +423,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         lookahead=ahead,
         past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
         longer_only=slot.cfg.target in LONGER_ONLY_TARGETS,
+        mix=slot.cfg.target in MIX_TARGETS,
     )
 
 

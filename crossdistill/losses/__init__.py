@@ -10,8 +10,8 @@
   reference backend.
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
   lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
-  other tokens, both of those, and both only where the student's token is the longer one
-  (`teachers.N.target`).
+  other tokens, both of those, both only where the student's token is the longer one, and the
+  two past the end at half weight each (`teachers.N.target`).
 - `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
   its PyTorch reference), the second for targets with token-group buckets.
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
@@ -34,6 +34,7 @@ from crossdistill.losses.lookahead import (
     LONGER_ONLY_TARGETS,
     LOOKAHEAD_DEPTH,
     LOOKAHEAD_TARGETS,
+    MIX_TARGETS,
     PREFIX_TARGETS,
     reads_past_end,
     target_depth,
@@ -60,6 +61,7 @@ __all__ = [
     "LONGER_ONLY_TARGETS",
     "LOOKAHEAD_DEPTH",
     "LOOKAHEAD_TARGETS",
+    "MIX_TARGETS",
     "PREFIX_TARGETS",
     "LOSSES",
     "Buckets",

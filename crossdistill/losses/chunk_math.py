@@ -234,9 +234,10 @@ def chunk_step(
                     )
                     width = e.shape[1] if shard is None else shard.total
                     s_tail = finish_tail(part, sl, ids, s_tail, width)
-                rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-                term_sums[ti] += weighted_sum(rows, term.report_weight[sl])
-                loss = loss + weighted_sum(rows, weight)
+                w = weight * part.scale
+                rows, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, w)
+                term_sums[ti] += weighted_sum(rows, term.report_weight[sl] * part.scale)
+                loss = loss + weighted_sum(rows, w)
                 row_coef += a
                 if index is None:
                     fixes.append((ids, corr))
@@ -323,9 +324,10 @@ def chunk_step_fused(
                 s_tail = finish_tail(part, sl, ids, s_tail.to(acc), part.num_events + 1)
             elif (ti, pi) in tails:
                 s_tail = finish_tail(part, sl, ids, tail_all[:, tails[ti, pi]], vocab)
-            rows_d, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, weight)
-            term_sums[ti] += weighted_sum(rows_d, term.report_weight[sl])
-            loss = loss + weighted_sum(rows_d, weight)
+            w = weight * part.scale
+            rows_d, a, corr = part_step(part, sl, z_sel, e_ids, s, s_tail, lse_u, tau, w)
+            term_sums[ti] += weighted_sum(rows_d, term.report_weight[sl] * part.scale)
+            loss = loss + weighted_sum(rows_d, w)
             coef[:, t] += a
             if (ti, pi) in grouped:
                 g = part.group_from

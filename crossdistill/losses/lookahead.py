@@ -52,6 +52,15 @@ student's token is the longer one, which the first piece and `lookahead` serve w
 do better than `lookahead_prefix_end` (`benchmarks/README.md`, "`lookahead_longer`"): the
 student's mass is shared between its short and long tokens, so what a target does at one kind of
 chunk moves its predictions at the other. It stays to rerun that comparison.
+
+`lookahead_mix` is the two targets past the end side by side: the `lookahead_end` divergence and
+the `lookahead_prefix_end` divergence, each at half the teacher's weight, from one teacher pass.
+The first gives each alternative x ≠ `t_0` whole to the student token spelling x; the second to
+x's group, where the student keeps its own split. So the pull towards x itself is half of what
+`lookahead_end` gives it, while the group's total is still the teacher's: a target between the
+two at every chunk. On the far pair `lookahead_end` closed more of the one-to-one chunks and
+`lookahead_prefix_end` more of the longer ones, and both at once (as two teacher terms) did
+better in total than either (`benchmarks/README.md`, "Both targets at once").
 """
 
 from __future__ import annotations
@@ -85,16 +94,25 @@ LOOKAHEAD_TARGETS = (
     "lookahead_prefix",
     "lookahead_prefix_end",
     "lookahead_longer",
+    "lookahead_mix",
 )
 # Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
 # over its whole vocabulary, so a vocabulary split does not take them (the fused pass does, with
 # `group_kernels`).
-PREFIX_TARGETS = ("prefix", "lookahead_prefix", "lookahead_prefix_end", "lookahead_longer")
+PREFIX_TARGETS = (
+    "prefix",
+    "lookahead_prefix",
+    "lookahead_prefix_end",
+    "lookahead_longer",
+    "lookahead_mix",
+)
 # Targets that read the teacher's row after each student token's end.
-PAST_END_TARGETS = ("lookahead_end", "lookahead_prefix_end", "lookahead_longer")
+PAST_END_TARGETS = ("lookahead_end", "lookahead_prefix_end", "lookahead_longer", "lookahead_mix")
 # Targets whose groups and step past the end apply only at chunks of one student token over
 # several teacher tokens.
 LONGER_ONLY_TARGETS = ("lookahead_longer",)
+# Targets that are two divergences at half weight each: without the groups and with them.
+MIX_TARGETS = ("lookahead_mix",)
 
 
 def target_depth(target: str, same_as_student: bool) -> int:
@@ -105,7 +123,7 @@ def target_depth(target: str, same_as_student: bool) -> int:
 
 def reads_past_end(target: str, same_as_student: bool) -> bool:
     """Whether a teacher's targets include the row after each chunk's end (`target_rows`):
-    `lookahead_end` or `lookahead_prefix_end` of a teacher with its own tokenizer."""
+    a target in `PAST_END_TARGETS` of a teacher with its own tokenizer."""
     return target in PAST_END_TARGETS and not same_as_student
 
 

@@ -20,7 +20,13 @@ from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, CEWithoutKD
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
 from crossdistill.losses.lookahead import project_lookahead
-from crossdistill.losses.projection import Buckets, Continuation, VocabProjection, project_topk
+from crossdistill.losses.projection import (
+    Buckets,
+    Continuation,
+    PrefixGroups,
+    VocabProjection,
+    project_topk,
+)
 from crossdistill.losses.targets import TeacherTargets
 
 NEG_INF = float("-inf")
@@ -47,7 +53,8 @@ class KDTerm:
     A lookahead term whose projection has prefix groups (`lookahead_prefix`) puts the KD
     position's alternatives in their groups. `longer_only` (`lookahead_longer`): the groups and
     the rows past the end apply only at chunks of one student token over several teacher
-    tokens."""
+    tokens. `mix` (`lookahead_mix`): a lookahead term whose projection has prefix groups is two
+    divergences at half weight each, one without the groups and one with them."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -62,6 +69,7 @@ class KDTerm:
     lookahead: Tensor | None = None
     past_end: bool = False
     longer_only: bool = False
+    mix: bool = False
 
     @property
     def temperature(self) -> float:
@@ -76,6 +84,8 @@ class KDTerm:
             return "first_piece" if self.projection.groups is None else "prefix"
         if self.longer_only:
             return "lookahead_longer"
+        if self.mix and self.projection.groups is not None:
+            return "lookahead_mix"
         name = "lookahead_prefix" if self.projection.groups is not None else "lookahead"
         return f"{name}_end" if self.past_end else name
 
@@ -182,7 +192,8 @@ class Part:
     bucket for all other tokens. With `groups [V_s]` (the byte-prefix target) the ids are events
     and a bucket holds every student token j with `groups[j]` equal to its id; `groups[j] =
     num_events` puts token j in the tail. `group_from > 0` (the `lookahead_prefix` target): the
-    first `group_from` buckets are single student tokens, in none of the row's groups."""
+    first `group_from` buckets are single student tokens, in none of the row's groups. `scale`:
+    the part's share of its term's weight (½ for each of `lookahead_mix`'s two parts)."""
 
     divergence: str
     logq: Tensor
@@ -194,6 +205,7 @@ class Part:
     groups: Tensor | None = None
     num_events: int = 0
     group_from: int = 0
+    scale: float = 1.0
 
 
 @dataclass
@@ -297,22 +309,36 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         part = Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)
         return [dataclasses.replace(part, groups=g.student_event, num_events=g.num_events)]
     cont = continuation(term, labels_s)
-    if term.lookahead is not None:
-        b = _lookahead_buckets(term, cont)
-    else:
+    if term.lookahead is None:
         b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
+        return [_projected_part(term, b, rows, valid, n, params)]
+    if term.mix and proj.groups is not None:  # lookahead_mix: without the groups, then with them
+        parts = [
+            _projected_part(term, _lookahead_buckets(term, cont, groups), rows, valid, n, params)
+            for groups in (None, proj.groups)
+        ]
+        return [dataclasses.replace(p, scale=0.5) for p in parts]
+    b = _lookahead_buckets(term, cont, proj.groups)
+    return [_projected_part(term, b, rows, valid, n, params)]
+
+
+def _projected_part(
+    term: KDTerm, b: Buckets, rows: Tensor, valid: Tensor, n: int, params: dict[str, float]
+) -> Part:
+    """A projected target's buckets per student row, as one bucket divergence."""
     ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
     part = Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)
     if b.group_from is not None:  # lookahead_prefix: the KD position's alternatives in groups
-        g = proj.groups
+        g = term.projection.groups
         part = dataclasses.replace(
             part, groups=g.student_event, num_events=g.num_events, group_from=b.group_from
         )
-    return [part]
+    return part
 
 
-def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
-    """The lookahead target's buckets `[C, L]` from targets at D rows per chunk."""
+def _lookahead_buckets(term: KDTerm, cont: Continuation, groups: PrefixGroups | None) -> Buckets:
+    """The lookahead target's buckets `[C, L]` from targets at D rows per chunk; `groups`: the
+    KD position's other entries in their groups (`lookahead_prefix`), or None."""
     tg, chunks = term.targets, term.chunks
     c, depth = term.lookahead.shape
     s0, s1, t0, t1 = chunks.unbind(-1)
@@ -328,7 +354,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation) -> Buckets:
         t1 - t0,
         torch.stack(rest, -1),
         single=(s1 - s0 == 1) if term.past_end else None,
-        groups=term.projection.groups,
+        groups=groups,
         only=longer,
     )
 

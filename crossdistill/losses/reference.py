@@ -88,8 +88,8 @@ def _reference(hidden: Tensor, weight: Tensor, plan: Plan, dtype: torch.dtype):
         value = torch.zeros((), dtype=z.dtype, device=z.device)
         report = torch.zeros((), dtype=z.dtype, device=z.device)
         for part in term.parts:
-            value = value + _part_loss(part, logp, term.row_weight)
-            report = report + _part_loss(part, logp, term.report_weight).detach()
+            value = value + _part_loss(part, logp, term.row_weight * part.scale)
+            report = report + _part_loss(part, logp, term.report_weight * part.scale).detach()
         if term.loss == "chunk_likelihood":
             logl_s = chunk_logl_s(logp_label, term.chunks)
             value = div.chunk_likelihood(term.logl_t, logl_s, term.chunk_weight, term.temperature)

@@ -294,6 +294,7 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
         ("lookahead_prefix", TOP_K_END),
         ("lookahead_prefix_end", TOP_K_END),
         ("lookahead_longer", TOP_K_END),
+        ("lookahead_mix", TOP_K_END),
     ):
         cfg = h.trainer_config(tmp_path / f"{target}-{top_k}", tokenizer_dir, 2, eval_every=2)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, top_k
@@ -306,6 +307,8 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
     assert kd["lookahead_prefix_end", TOP_K_END] != kd["lookahead_prefix", TOP_K_END]
     # `lookahead_longer` leaves the groups and the end step out at one-to-one chunks
     assert kd["lookahead_longer", TOP_K_END] != kd["lookahead_prefix_end", TOP_K_END]
+    # `lookahead_mix` is half of it and half of the same without the groups
+    assert kd["lookahead_mix", TOP_K_END] != kd["lookahead_prefix_end", TOP_K_END]
 
 
 def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokenizer_dir):
@@ -313,7 +316,7 @@ def test_settings_refuse_a_cache_and_a_tensor_parallel_student(tmp_path, tokeniz
     from tests.distributed import _harness as h
 
     cfg = h.trainer_config(tmp_path, tokenizer_dir, 2, eval_every=2)
-    for target in ("lookahead_prefix", "lookahead_prefix_end", "lookahead_longer"):
+    for target in ("lookahead_prefix", "lookahead_prefix_end", "lookahead_longer", "lookahead_mix"):
         cfg.teachers[0].target = target
         cfg.teachers[0].cache = None
         cfg.student.parallel.tp = 2
