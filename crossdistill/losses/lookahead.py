@@ -237,9 +237,12 @@ def project_lookahead(
         values += [to_label.unsqueeze(-1), to_prefix.unsqueeze(-1)]
         mass, live = torch.where(go_on, reached, NEG_INF), go_on
     entries, values = torch.cat(entries, -1), torch.cat(values, -1)
+    # an entry without mass (the observed token's, moved along the path) names no bucket: a
+    # bucket of zero teacher mass would make reverse KL infinite where the student's token has
+    # any, and would take that token out of its group or the tail
+    entries = torch.where(values > NEG_INF, entries, -1)
     if grouped is None:
         return merge_buckets(entries, values, tail, projection.num_student)
-    entries = torch.where(values > NEG_INF, entries, -1)  # no empty single leaves a group
     singles = merge_buckets(entries, values, tail, projection.num_student)
     return _with_groups(singles, entries, *grouped, groups)
 

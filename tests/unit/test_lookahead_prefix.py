@@ -11,6 +11,7 @@ is that at chunks of several teacher tokens and the lookahead target at the othe
 - the loss of such buckets, chunked pass and full-logits reference, against a plain float64 loss
   that sums the student's probability over each group's tokens (the row's singles left out),
   value and gradients, for every projected loss at τ = 1 and 2;
+- no bucket of the lookahead targets without groups is left without teacher mass;
 - a `train()` run, and what the settings refuse.
 """
 
@@ -242,6 +243,22 @@ def test_groups_change_the_loss_of_the_lookahead_target():
     term.projection.groups = None
     plain = run("chunked", hidden, weight, labels, [term])[0]
     assert abs(grouped.item() - plain.item()) > 1e-3 * abs(plain.item())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("past_end", [False, True])
+def test_no_lookahead_bucket_is_left_without_teacher_mass(seed, past_end):
+    """The observed token's entry at the KD position moves along the path; where every later
+    alternative joins past its first piece, that piece has no mass left. It is no bucket then
+    (it stays in the tail), so reverse KL, infinite at a bucket of zero teacher mass that the
+    student gives any, stays finite: `lookahead` and `lookahead_end`, whose toy problems have
+    such rows."""
+    hidden, weight, labels, term = plan_problem(seed, "reverse_kl", past_end=past_end)
+    term.projection.groups = None
+    (part,) = build_plan(labels, [term], 0.6, ce_count(labels), torch.float64).terms[0].parts
+    assert not (part.valid & (part.logq == float("-inf"))).any()
+    loss, g_h, g_w, _ = run("chunked", hidden, weight, labels, [term])
+    assert torch.isfinite(loss) and torch.isfinite(g_h).all() and torch.isfinite(g_w).all()
 
 
 def test_longer_only_sits_between_lookahead_and_lookahead_prefix_end():
