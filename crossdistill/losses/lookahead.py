@@ -56,9 +56,8 @@ chunk moves its predictions at the other. It stays to rerun that comparison.
 `lookahead_mix` is the two targets past the end side by side: the `lookahead_end` divergence and
 the `lookahead_prefix_end` divergence, each at half the teacher's weight, from one teacher pass.
 The first gives each alternative x ≠ `t_0` whole to the student token spelling x; the second to
-x's group, where the student keeps its own split. So the pull towards x itself is half of what
-`lookahead_end` gives it, while the group's total is still the teacher's: a target between the
-two at every chunk. On the far pair `lookahead_end` closed more of the one-to-one chunks and
+x's group, where the student keeps its own split. At half weight each, the student's split of
+that mass between x and the longer tokens that start with it settles between the two. On the far pair `lookahead_end` closed more of the one-to-one chunks and
 `lookahead_prefix_end` more of the longer ones, and both at once (as two teacher terms) did
 better in total than either (`benchmarks/README.md`, "Both targets at once").
 """
