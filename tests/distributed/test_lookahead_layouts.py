@@ -111,7 +111,9 @@ def _from_the_window_moved_most(cfg, other, sc: h.Scenario, path) -> tuple[h.Sce
     return best, first_other
 
 
-@pytest.fixture(scope="module", params=["lookahead_prefix", "lookahead_prefix_end"])
+@pytest.fixture(
+    scope="module", params=["lookahead_prefix", "lookahead_prefix_end", "lookahead_mix"]
+)
 def prefix_runs(request, tmp_path_factory, tokenizer_dir):
     """The one-process references of a prefix-group target and of `lookahead` (the same
     projection without its groups), and the target's cp2 run."""
