@@ -54,7 +54,7 @@ def run_seed(
     kd_chunks: tuple[str, ...] = ("all",),
     ce_without_kd: tuple[str, ...] = ("ratio",),
 ) -> dict:
-    from crossdistill.bench.quality_spec import target_parts
+    from crossdistill.bench.quality_spec import target_terms
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
     from crossdistill.train import demo
@@ -126,10 +126,10 @@ def run_seed(
         tag += ("" if chunks == "all" else f"_{chunks}") + ("" if ce == "ratio" else f"_ce{ce}")
         tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + t_tag + lr_tag
         # "A+B": one teacher read twice, under target A and under target B, each at weight 1/2
-        parts = target_parts(target)
+        terms = target_terms(target)
         entries = [
-            {**entry, "name": f"teacher_{i}", "target": part, "weight": 1 / len(parts)}
-            for i, part in enumerate(parts)
+            {**entry, "name": name, "target": part, "weight": 1 / len(terms)}
+            for name, part in terms
         ]
         for ratio in kd_ratios:
             cfg = student_stage(f"kd_{tag}_{ratio}", entries)

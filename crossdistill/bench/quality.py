@@ -46,7 +46,7 @@ from crossdistill.bench.quality_spec import (
     QualitySpec,
     Scale,
     cell_settings,
-    target_parts,
+    target_terms,
 )
 from crossdistill.config import (
     DISTRIBUTION_LOSSES,
@@ -430,11 +430,11 @@ class Experiment:
         s, spec = self.spec.scale, self.spec
         teachers = []
         if cell.teacher is not None:
-            parts = target_parts(cell.target)
-            for target in parts:
+            terms = target_terms(cell.target)
+            for name, target in terms:
                 teachers.append(
                     {
-                        "name": "teacher" if len(parts) == 1 else f"teacher_{target}",
+                        "name": name,
                         "path": str(self.teacher_paths[(cell.teacher, teacher_seed)]),
                         "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
                         "loss": cell.loss,
@@ -444,8 +444,8 @@ class Experiment:
                         "kd_chunks": cell.kd_chunks,
                     }
                 )
-                if len(parts) > 1:  # one KD term per target, the weight shared equally
-                    teachers[-1]["weight"] = 1 / len(parts)
+                if len(terms) > 1:  # one KD term per target, the weight shared equally
+                    teachers[-1]["weight"] = 1 / len(terms)
         folder = f"seed{seed}" + (f"-teacher{teacher_seed}" if teacher_seed else "")
         run_dir = self.out / "students" / cell.name / folder
         cfg = run_config(

@@ -180,6 +180,13 @@ def target_parts(target: str) -> list[str]:
     return target.split("+")
 
 
+def target_terms(target: str) -> list[tuple[str, str]]:
+    """(teacher name, target) of each KD term of one `--target`: `teacher` alone, or
+    `teacher_<target>` per part of an `A+B`, so a pair's metrics name their targets."""
+    parts = target_parts(target)
+    return [("teacher" if len(parts) == 1 else f"teacher_{part}", part) for part in parts]
+
+
 def cell_settings(losses: list[str], targets: list[str]) -> list[tuple[str, str]]:
     """The cross-tokenizer cells' (loss, target): every projected loss under every target, a
     loss without a projected target (`uld`, `gold`, `hkl`, `chunk_likelihood`) once, under the

@@ -862,11 +862,10 @@ def test_a_pair_of_targets_is_one_kd_term_per_target_at_half_the_weight(tmp_path
     cells = {cell.name: cell for cell in exp.cells}
     both = exp._student(cells[f"cross-llama2-forward_kl-{pair}"], student, seed=0).cfg
     one = exp._student(cells["cross-llama2-forward_kl-lookahead_prefix_end"], student, 0).cfg
-    assert [(t.target, t.weight, t.path) for t in both.teachers] == [
-        ("lookahead_end", 0.5, teacher_tok),
-        ("lookahead_prefix_end", 0.5, teacher_tok),
+    assert [(t.name, t.target, t.weight, t.path) for t in both.teachers] == [
+        ("teacher_lookahead_end", "lookahead_end", 0.5, teacher_tok),
+        ("teacher_lookahead_prefix_end", "lookahead_prefix_end", 0.5, teacher_tok),
     ]
-    assert len({t.name for t in both.teachers}) == 2
     assert [(t.name, t.target, t.weight) for t in one.teachers] == [
         ("teacher", "lookahead_prefix_end", 1.0)
     ]
