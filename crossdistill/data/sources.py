@@ -26,6 +26,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ FORMATS = ("text", "jsonl", "parquet", "arrow", "hf_disk")
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bzip2", ".xz": "xz", ".zst": "zstd", ".zstd": "zstd"}
 _ARROW_SUFFIXES = (".arrow", ".feather", ".ipc")
 _SCAN_BYTES = 1 << 26  # newline scan window: 64 MiB of the mapped file at a time
+_OLD_INDEX_NAME = re.compile(r"[0-9a-f]{32}\.npy")  # the line indexes' naming before keys split
 
 
 @dataclass(frozen=True)
@@ -372,7 +374,8 @@ def jsonl_index(path: str) -> np.ndarray:
     file (`$CROSSDISTILL_CACHE`, default `~/.cache/crossdistill`) keyed by path, size and mtime.
     Writing it removes the indexes of the same path's earlier versions: they can no longer be
     read, and a corpus that grows would leave one behind each time (a process that has one
-    mapped keeps reading it; the file goes when it unmaps)."""
+    mapped keeps reading it; the file goes when it unmaps). It also removes indexes under the
+    earlier naming (32 hex digits of path, size and mtime together), which nothing reads."""
     source, state = _source_keys(path)
     cached = _index_path(source, state)
     if cached.is_file():
@@ -389,6 +392,9 @@ def jsonl_index(path: str) -> np.ndarray:
     if write_atomic(cached, write):
         for old in cached.parent.glob(f"{source}-*.npy"):
             if old != cached:
+                old.unlink(missing_ok=True)
+        for old in cached.parent.glob("*.npy"):
+            if _OLD_INDEX_NAME.fullmatch(old.name):
                 old.unlink(missing_ok=True)
         return np.load(cached, mmap_mode="r")
     return offsets  # read-only home: keep the index in memory

@@ -78,6 +78,21 @@ def test_a_changed_jsonl_keeps_one_index_and_a_mapped_one_still_reads(tmp_path):
     assert len(mapped) == 11 and int(mapped[-1]) == first_size  # removed, and still mapped
 
 
+def test_writing_an_index_removes_those_of_the_earlier_naming(tmp_path):
+    """Indexes named by 32 hex digits of path, size and mtime together can no longer be found
+    by any path; the next index written removes them, and nothing else in the folder."""
+    indexes = tmp_path / "cache" / "jsonl-index"
+    indexes.mkdir(parents=True)
+    stale = indexes / f"{'0123456789abcdef' * 2}.npy"
+    kept = [indexes / "notes.npy", indexes / f"{'a' * 31}.npy"]
+    for f in [stale, *kept]:
+        np.save(f, np.arange(3))
+    path = write_jsonl(tmp_path / "c.jsonl", _docs(4))
+    assert len(jsonl_index(str(path))) == 5
+    assert not stale.exists() and all(f.exists() for f in kept)
+    assert len(list(indexes.glob("*.npy"))) == 3  # the new index and the two kept
+
+
 def _write_all_formats(tmp_path, docs):
     jl = write_jsonl(tmp_path / "d.jsonl", docs)
     table = pa.table({"text": docs, "other": list(range(len(docs)))})
