@@ -8,7 +8,8 @@ validation split a `HeldOut`. Names are imported on first use: the tokenizer sid
 (`TokenizerSide`) and the sources need no torch, the batches do.
 
 Imports `errors`, `config`, `cache`, `losses` (the int8 quantisation the cache shares with a
-separate teacher's payload), `models` and `alignment`; never `distributed` or `train`."""
+separate teacher's payload, and the top-k rows a target reads), `models` and `alignment`;
+never `distributed` or `train`."""
 
 import importlib
 

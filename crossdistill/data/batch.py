@@ -103,8 +103,8 @@ class TeacherBatch:
 class CachedTargets:
     """A cached teacher's targets for one micro-batch, read from its cache by the loader: the
     fields of `losses.TeacherTargets`, in the same coordinates as a live teacher's (top-k rows
-    at each chunk's KD position `t0 - 1` of its `TeacherBatch`, next-token log-probs over the
-    padded `[B·T_t]`)."""
+    at each chunk's KD position `t0 - 1` of its `TeacherBatch`, and the rows after it that its
+    target reads (`losses.target_rows`), next-token log-probs over the padded `[B·T_t]`)."""
 
     topk_ids: torch.Tensor  # [M, K] int32
     topk_logprobs: torch.Tensor  # [M, K] float32 at `temperature`

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from crossdistill.data.batch import (
     IGNORE,
@@ -33,6 +34,7 @@ from crossdistill.data.encoders import TokenizerSide
 from crossdistill.data.teacher_cache import CachedTeacher, concat_docs, truncate_top_k
 from crossdistill.data.units import Unit
 from crossdistill.errors import UserError
+from crossdistill.losses.targets import target_rows
 
 
 @dataclass
@@ -180,8 +182,9 @@ def _cached(
     head_s: int,
 ) -> list[np.ndarray]:
     """A cached teacher's targets for the batch, as `CachedTargets` arrays: each position's
-    next-token log-prob and each chunk's top-k at its KD position, read from the rows of the
-    documents' cached targets that predict the same token."""
+    next-token log-prob and each chunk's top-k rows (at its KD position, and for a lookahead
+    target at the rows after it, as `losses.target_rows` lays them out for a live teacher),
+    read from the rows of the documents' cached targets that predict the same token."""
     if slot < 0:
         labels, (chunks, _), head = labels_s, teachers[-1], head_s
     else:
@@ -219,9 +222,9 @@ def _cached(
         )
     next_lp = np.zeros(flat_labels.shape, dtype=np.float32)
     next_lp[valid] = docs.next_logprobs[rows_valid]
-    s0, s1, t0, t1 = (chunks[:, i] for i in range(4)) if chunks.size else [np.zeros(0, int)] * 4
-    ok = (s0 > 0) & (t0 > 0) & (s1 > s0) & (t1 > t0)
-    kd = np.where(ok, src[np.where(ok, t0 - 1, 0)], -1)
+    depth, past_end = (cache.depth, cache.past_end) if slot >= 0 else (1, False)
+    at = target_rows(torch.from_numpy(chunks.reshape(-1, 4)), depth, past_end).numpy()
+    kd = np.where(at >= 0, src[at.clip(min=0)], -1)
     k = cache.top_k
     if docs.topk_ids is None:
         top_ids = np.zeros((0, k), np.int32)

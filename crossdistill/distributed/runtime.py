@@ -202,6 +202,7 @@ class Placement:
             return TeacherTargets(
                 **{f: getattr(cached, f).to(self.device, non_blocking=True) for f in _FIELDS},
                 temperature=cached.temperature,
+                depth=target_depth(slot.cfg.target, tb.same_as_student),
             )
         group, owners = self.sources[k]
         ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)

@@ -247,8 +247,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     rec = {
         "loss": "forward_kl",
         "top_k": 64,
-        # what `target: auto` takes for a live teacher and a student without tensor parallelism
-        "target": choose_target(right, "forward_kl", cached=False, tensor_parallel=False)[0],
+        # what `target: auto` takes for a student without tensor parallelism
+        "target": choose_target(right, "forward_kl", tensor_parallel=False)[0],
         "kd_ratio": 0.5,
     }
     if right >= NEAR_PAIR_RIGHT:
@@ -272,9 +272,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "corpora, -0.3% and -0.7%; `lookahead_prefix` was better than `target: lookahead` "
             "on 9 of 15, which was better than `target: context` on 13 of 15); `target: auto` "
             "(the default) chooses it for this pair, at 0.99 of `lookahead_prefix`'s step "
-            "throughput (which runs at 0.96-0.98 of the first piece's); `auto` takes "
-            "`lookahead` for a tensor-parallel student and `context` with a teacher cache, "
-            "which holds one position per student token"
+            "throughput (which runs at 0.96-0.98 of the first piece's), live or from a "
+            "teacher cache; `auto` takes `lookahead` for a tensor-parallel student"
         )
         warnings.append(
             "far pair: pairs like this (Llama-2 and Mistral -> Llama-3) gained less than a "
@@ -285,8 +284,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "library; first piece +1.8%; KD weight 0.9 +6 to +17%); keep kd_ratio <= 0.5 and "
             "check with `crossdistill bench quality` on your corpus; `target: lookahead_mix` "
             "(lookahead_end and lookahead_prefix_end at half weight each) was lower than "
-            "lookahead_prefix_end on 8 of 10 paired seeds on Perl and manual pages (-1.0% on "
-            "average, inside the spread on each): `--target lookahead_prefix_end --target "
+            "lookahead_prefix_end on 14 of 20 paired seeds over four corpora (-0.6% on "
+            "average, inside the spread): `--target lookahead_prefix_end --target "
             "lookahead_mix` compares them"
         )
     else:
@@ -299,9 +298,9 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "seeds); over 37 paired seeds of both pairs on three texts its total was lower than "
             "the first piece's on 27 (-0.83% on average; 13 of 16 and -1.07% on a Python "
             "standard library the setting was not chosen on); `target: auto` (the default) "
-            "chooses it for this pair, at about 0.97 of the first piece's step throughput, "
-            "`lookahead` for a tensor-parallel student and the first piece with a teacher "
-            "cache (`target: context` lost to it on the demo's pair on every seed); check with "
+            "chooses it for this pair (live or from a teacher cache), at about 0.97 of the "
+            "first piece's step throughput, and `lookahead` for a tensor-parallel student; "
+            "check with "
             "`crossdistill bench quality --target first_piece --target lookahead_prefix_end` "
             "on your corpus"
         )

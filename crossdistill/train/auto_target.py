@@ -13,10 +13,10 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   the first piece made the student worse than CE only; `lookahead_prefix` closed more of the
   gap than the context and lookahead targets, and `lookahead_prefix_end` (the same, with the
   observed token's mass split past its end) more than `lookahead_prefix`, on every paired
-  seed of two corpora. Where the run cannot take it, the next best it can: `lookahead` for a
-  tensor-parallel student (the prefix groups sum over the whole student vocabulary, which
-  tensor parallelism splits), `context` for a teacher read from a cache (it holds one position
-  per student token).
+  seed of two corpora. A tensor-parallel student gets the next best, `lookahead` (the prefix
+  groups sum over the whole student vocabulary, which tensor parallelism splits). A teacher
+  read from a cache gets the same targets as a live one: the cache holds every position's
+  top-k, and the loader reads the rows a target needs.
 - **Pairs between** (Qwen3 for a Llama-3 student on Perl's numbers; the demo's pair): the far
   pairs' choices. Where one student token spans several teacher tokens, the first piece gives
   the teacher's first token's mass to a shorter student token that the text does not use
@@ -24,8 +24,7 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   teacher's path to the student's token, and over both pairs' paired seeds its total was lower
   than the first piece's (benchmarks/README.md, "The three targets on Perl's near pair"). A
   target that keeps `lookahead` at the one-to-one chunks, `lookahead_longer`, did worse
-  (section "`lookahead_longer`"). From a cache, though, the first piece: `context` lost to it
-  on the demo's pair.
+  (section "`lookahead_longer`").
 
 A teacher with the student's tokenizer, or a loss without a projected target
 (`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do
@@ -46,8 +45,7 @@ from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig
 FAR_PAIR_RIGHT = 0.80
 # at or above it, a near pair: the first piece
 NEAR_PAIR_RIGHT = 0.95
-# what a pair below NEAR_PAIR_RIGHT gets from a live teacher and a student without tensor
-# parallelism
+# what a pair below NEAR_PAIR_RIGHT gets with a student without tensor parallelism
 FAR_TARGET = "lookahead_prefix_end"
 # text read to measure a pair: tens of thousands of KD positions, small enough to tokenize at
 # every load on every rank
@@ -91,9 +89,7 @@ def first_piece_right(tok_s: Any, tok_t: Any, texts: list[str]) -> tuple[float, 
     return right / max(total, 1), total
 
 
-def choose_target(
-    right: float | None, loss: str, cached: bool, tensor_parallel: bool
-) -> tuple[str, str]:
+def choose_target(right: float | None, loss: str, tensor_parallel: bool) -> tuple[str, str]:
     """(target, why) for a cross-tokenizer teacher whose first piece is right at `right` of KD
     positions (None: not measured, no text)."""
     if loss not in DISTRIBUTION_LOSSES:
@@ -109,9 +105,6 @@ def choose_target(
         if far
         else f"{share} (between {FAR_PAIR_RIGHT:.0%} and {NEAR_PAIR_RIGHT:.0%})"
     )
-    if cached:
-        fallback = "context" if far else "first_piece"
-        return fallback, f"{kind}; {FAR_TARGET} needs the live teacher, a cache holds one row"
     if tensor_parallel:
         return "lookahead", f"{kind}; {FAR_TARGET} does not take a tensor-parallel student"
     return FAR_TARGET, kind
@@ -144,7 +137,6 @@ def resolve_targets(
             target, why = choose_target(
                 None if share is None else share[0],
                 t.loss,
-                cached=t.cache is not None,
                 tensor_parallel=cfg.student.parallel.tp > 1,
             )
         teachers.append(replace(t, target=target))

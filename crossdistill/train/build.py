@@ -153,12 +153,12 @@ def plan_run(cfg: Config, env: DistEnv) -> RunPlan:
     for r, tok in zip(resolved_t, toks_t):
         check_vocab(r, tok)
     placement = build_placement(env, layouts, cfg.train.teacher_padding)
+    teachers, notes = resolve_targets(cfg, tok_s, toks_t)
     caches = [
         None if t.cache is None else open_cache(t, i, cfg, tok)
-        for i, (t, tok) in enumerate(zip(cfg.teachers, toks_t))
+        for i, (t, tok) in enumerate(zip(teachers, toks_t))
     ]
     check_coverage(cfg, caches)
-    teachers, notes = resolve_targets(cfg, tok_s, toks_t)
     return RunPlan(
         resolved_s, resolved_t, layouts, tok_s, toks_t, placement, caches, teachers, notes
     )

@@ -21,6 +21,7 @@ from crossdistill.data.teacher_cache import (
     read_manifest,
 )
 from crossdistill.errors import UserError
+from crossdistill.losses import reads_past_end, target_depth
 from crossdistill.models import tokenizer_fingerprint
 from crossdistill.train.cache_build import (
     BuildOptions,
@@ -35,7 +36,8 @@ from crossdistill.train.cache_build import (
 
 def open_cache(t: TeacherConfig, i: int, cfg: Config, tok: Any) -> CachedTeacher:
     """Teacher i's cache, checked against the run before anything loads: the teacher (when
-    `path` is also given), tokenizer, top_k, temperature and data settings."""
+    `path` is also given), tokenizer, top_k, temperature and data settings. `t.target` is the
+    resolved one (not `auto`): it sets the rows per chunk the loader reads."""
     reader = CacheReader(t.cache)
     m = reader.manifest
     where = f"teachers.{i}.cache = {t.cache}"
@@ -72,7 +74,8 @@ def open_cache(t: TeacherConfig, i: int, cfg: Config, tok: Any) -> CachedTeacher
     for ok, message in checks:
         if not ok:
             raise UserError(f"{where} {message}")
-    return CachedTeacher(reader, int(t.top_k), t.name)
+    rows = target_depth(t.target, False), reads_past_end(t.target, False)  # a cross teacher's
+    return CachedTeacher(reader, int(t.top_k), t.name, *rows)
 
 
 def check_coverage(cfg: Config, caches: list[CachedTeacher | None]) -> None:

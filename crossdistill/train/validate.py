@@ -19,7 +19,7 @@ from crossdistill.config import (
     TeacherConfig,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import LOOKAHEAD_TARGETS, PREFIX_TARGETS
+from crossdistill.losses import PREFIX_TARGETS
 
 
 @dataclass
@@ -70,13 +70,6 @@ def resolve_teacher(t: TeacherConfig, label: str) -> ResolvedModel:
 def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
     """Check scalars, models, tokenizers and sequence lengths; return what was resolved."""
     _check_scalars(cfg)
-    for i, t in enumerate(cfg.teachers):
-        if t.target in LOOKAHEAD_TARGETS and t.cache:
-            raise UserError(
-                f"teachers.{i}.target = {t.target} reads the teacher's top-k at several positions "
-                f"per student token, and a teacher cache holds one ({t.cache}): use target "
-                f"context with the cache, or run the teacher live (drop teachers.{i}.cache)"
-            )
     student = resolve_model(cfg.student, "student")
     teachers = [resolve_teacher(t, f"teachers.{i}") for i, t in enumerate(cfg.teachers)]
     _check_length(student, cfg.data.seq_len, 1)

@@ -2,8 +2,8 @@
 tokenizer pair aligns on the run's own training text.
 
 - `choose_target`: the rule at and around `FAR_PAIR_RIGHT` and `NEAR_PAIR_RIGHT`, what a
-  cache, a tensor-parallel student or a loss without a projected target changes, and a `why`
-  that names the share;
+  tensor-parallel student or a loss without a projected target changes, and a `why` that
+  names the share;
 - `first_piece_right` on real tokenizers and text: near, far and identical pairs, and the same
   share `crossdistill audit` reports;
 - `sample_texts`: rows spread over each file, the byte budget, several files, bad rows, chat;
@@ -44,28 +44,24 @@ def write_jsonl(path: Path, rows: list) -> str:
 
 
 @pytest.mark.parametrize(
-    ("right", "cached", "tp", "want"),
+    ("right", "tp", "want"),
     [
-        (0.97, False, False, "first_piece"),
-        (0.95, False, False, "first_piece"),
-        (0.9499, False, False, "lookahead_prefix_end"),
-        (0.8001, False, False, "lookahead_prefix_end"),
-        (0.80, False, False, "lookahead_prefix_end"),
-        (0.5, False, False, "lookahead_prefix_end"),
-        (0.80, True, False, "context"),
-        (0.80, True, True, "context"),
-        (0.8001, True, False, "first_piece"),
-        (0.88, True, True, "first_piece"),
-        (0.74, False, True, "lookahead"),
-        (0.88, False, True, "lookahead"),
-        (0.97, True, True, "first_piece"),
+        (0.97, False, "first_piece"),
+        (0.95, False, "first_piece"),
+        (0.9499, False, "lookahead_prefix_end"),
+        (0.8001, False, "lookahead_prefix_end"),
+        (0.80, False, "lookahead_prefix_end"),
+        (0.5, False, "lookahead_prefix_end"),
+        (0.74, True, "lookahead"),
+        (0.88, True, "lookahead"),
+        (0.97, True, "first_piece"),
     ],
 )
-def test_choose_target_at_and_around_the_thresholds(right, cached, tp, want):
-    """Near pairs (95% or more) keep the first piece; below, the far pairs' target, except
-    from a cache, where a far pair gets the context target and a pair between the first piece."""
+def test_choose_target_at_and_around_the_thresholds(right, tp, want):
+    """Near pairs (95% or more) keep the first piece; below, the far pairs' target, except for a
+    tensor-parallel student, which gets the lookahead target."""
     assert (FAR_PAIR_RIGHT, NEAR_PAIR_RIGHT) == (0.80, 0.95)
-    target, why = choose_target(right, "forward_kl", cached=cached, tensor_parallel=tp)
+    target, why = choose_target(right, "forward_kl", tensor_parallel=tp)
     assert target == want
     assert f"{right:.1%}" in why
     assert ("a far pair" in why) == (right <= FAR_PAIR_RIGHT)
@@ -75,10 +71,10 @@ def test_choose_target_at_and_around_the_thresholds(right, cached, tp, want):
 @pytest.mark.parametrize("loss", ["chunk_likelihood", "uld", "gold", "hkl"])
 def test_a_loss_without_a_projected_target_or_an_unmeasured_pair_keeps_the_first_piece(loss):
     assert loss not in DISTRIBUTION_LOSSES
-    target, why = choose_target(0.5, loss, cached=False, tensor_parallel=False)
+    target, why = choose_target(0.5, loss, tensor_parallel=False)
     assert target == "first_piece" and loss in why
     for projected in DISTRIBUTION_LOSSES:
-        target, why = choose_target(None, projected, cached=True, tensor_parallel=True)
+        target, why = choose_target(None, projected, tensor_parallel=True)
         assert target == "first_piece" and "no training text" in why
 
 
@@ -193,7 +189,7 @@ def model(tokenizer_dir, tok: str, vocab: int, **kw) -> dict:
 
 def test_resolve_targets_chooses_per_teacher_and_leaves_the_config(tmp_path, tokenizer_dir, texts):
     """Llama-3 student: its own tokenizer and Qwen3 get the first piece, Llama-2 the prefix
-    lookahead (lookahead under tensor parallelism, context from a cache), chunk likelihood the
+    lookahead (lookahead under tensor parallelism; the same from a cache), chunk likelihood the
     first piece; an explicit target is kept without a note. The user's teachers keep `auto`."""
     from crossdistill.models import load_tokenizer
 
@@ -234,13 +230,13 @@ def test_resolve_targets_chooses_per_teacher_and_leaves_the_config(tmp_path, tok
     assert "teachers.2 (far): target auto -> lookahead:" in notes[1]
     cfg.student.parallel.tp = 1
     cfg.teachers[2].cache = str(tmp_path / "cache")
-    assert resolve_targets(cfg, tok_s, toks_t)[0][2].target == "context"
+    assert resolve_targets(cfg, tok_s, toks_t)[0][2].target == "lookahead_prefix_end"
 
 
 def test_resolve_targets_on_a_real_pair_between_near_and_far(tmp_path, tokenizer_dir, texts):
     """Llama-2 student, GPT-2 teacher: the first piece is right at about 88% of the standard
-    library's KD positions, so the live teacher gets `lookahead_prefix_end`, a tensor-parallel
-    student `lookahead`, a cached teacher the first piece."""
+    library's KD positions, so the teacher gets `lookahead_prefix_end`, live or from a cache,
+    and a tensor-parallel student `lookahead`."""
     from crossdistill.models import load_tokenizer
 
     raw = {"student": model(tokenizer_dir, "llama2", 32000),
@@ -261,8 +257,8 @@ def test_resolve_targets_on_a_real_pair_between_near_and_far(tmp_path, tokenizer
     assert resolve_targets(cfg, tok_s, toks_t)[0][0].target == "lookahead"
     cfg.student.parallel.tp = 1
     cfg.teachers[0].cache = str(tmp_path / "cache")
-    got, notes = resolve_targets(cfg, tok_s, toks_t)
-    assert got[0].target == "first_piece" and "a cache holds one row" in notes[0]
+    cached, cached_notes = resolve_targets(cfg, tok_s, toks_t)
+    assert cached[0].target == "lookahead_prefix_end" and cached_notes == notes
 
 
 def test_a_run_with_a_far_teacher_logs_the_choice_and_saves_auto(

@@ -225,6 +225,39 @@ def test_training_from_the_cache_equals_training_with_the_live_teachers(
         assert resumed[key] == pytest.approx(final_live[key], rel=2e-5, abs=1e-6), key
 
 
+@pytest.fixture(scope="module")
+def first_piece_run(corpus, checkpoints, tokenizer_dir, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("first_piece")
+    return train(_cfg(corpus, out, tokenizer_dir, _teachers(checkpoints)))
+
+
+@pytest.mark.parametrize("target", ["auto", "lookahead_mix"])
+def test_a_lookahead_target_reads_the_same_rows_from_the_cache_as_from_the_live_teacher(
+    built, corpus, checkpoints, tokenizer_dir, tmp_path, first_piece_run, target
+):
+    """The lookahead targets read the teacher's top-k at several rows per chunk, and past the
+    end the row after it: the cache holds every position's, so training from it equals
+    training with the live teacher step for step. `auto` takes `lookahead_prefix_end` for this
+    pair either way; `lookahead_mix` lays out its two parts from the same rows. (Every word of
+    this corpus is one token on both sides, so the rows read are the KD row and the one past
+    the end.)"""
+    teachers = _teachers(checkpoints)
+    teachers[0]["target"] = target
+    live = train(_cfg(corpus, tmp_path / "live", tokenizer_dir, teachers))
+    for t in teachers:
+        t["cache"] = str(built[t["name"]])
+    cached = train(_cfg(corpus, tmp_path / "cached", tokenizer_dir, teachers))
+    a, b = _metrics(tmp_path / "live"), _metrics(tmp_path / "cached")
+    assert len(a) == len(b) > 4
+    for ra, rb in zip(a, b):
+        for key in ("loss", "loss/kd/llama2", "val/loss/kd/llama2"):
+            if key in ra:
+                assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), key
+    for key in live:
+        assert cached[key] == pytest.approx(live[key], rel=2e-5, abs=1e-6), key
+    assert abs(first_piece_run["val/loss/kd/llama2"] - live["val/loss/kd/llama2"]) > 1e-4
+
+
 def test_mismatches_are_refused_before_training(
     built, corpus, checkpoints, tokenizer_dir, tmp_path, caplog
 ):
