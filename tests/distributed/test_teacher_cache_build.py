@@ -50,7 +50,9 @@ def test_two_ranks_build_the_cache_one_process_builds(tmp_path, tokenizer_dir, r
         a, b = one.get(key), two.get(key)
         for f in dataclasses.fields(DocTargets):
             np.testing.assert_allclose(getattr(a, f.name), getattr(b, f.name), rtol=1e-5, atol=1e-5)
-    # two data-parallel ranks train from the cache as they do with the live teacher
+    # two data-parallel ranks train from the cache as they do with the live teacher, under the
+    # target `auto` takes for this pair (lookahead_prefix_end: four rows per chunk)
+    cfg.teachers[0].target = "auto"
     live = copy.deepcopy(cfg)
     live.run.out_dir = str(tmp_path / "live")
     cached = copy.deepcopy(cfg)
