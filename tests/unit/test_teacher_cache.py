@@ -172,6 +172,16 @@ def _metrics(run: Path) -> list[dict]:
     return [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r or "val/loss/ce" in r]
 
 
+def assert_same_metrics(live: Path, cached: Path, keys: tuple[str, ...], least: int) -> None:
+    """The two runs logged more than `least` records, equal on `keys` wherever logged."""
+    a, b = _metrics(live), _metrics(cached)
+    assert len(a) == len(b) > least
+    for ra, rb in zip(a, b):
+        for key in keys:
+            if key in ra:
+                assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), key
+
+
 @pytest.fixture(scope="module")
 def built(corpus, checkpoints, tokenizer_dir, tmp_path_factory) -> dict[str, Path]:
     out = tmp_path_factory.mktemp("caches")
@@ -247,12 +257,8 @@ def test_a_lookahead_target_reads_the_same_rows_from_the_cache_as_from_the_live_
     for t in teachers:
         t["cache"] = str(built[t["name"]])
     cached = train(_cfg(corpus, tmp_path / "cached", tokenizer_dir, teachers))
-    a, b = _metrics(tmp_path / "live"), _metrics(tmp_path / "cached")
-    assert len(a) == len(b) > 4
-    for ra, rb in zip(a, b):
-        for key in ("loss", "loss/kd/llama2", "val/loss/kd/llama2"):
-            if key in ra:
-                assert rb[key] == pytest.approx(ra[key], rel=2e-5, abs=1e-6), key
+    keys = ("loss", "loss/kd/llama2", "val/loss/kd/llama2")
+    assert_same_metrics(tmp_path / "live", tmp_path / "cached", keys, least=4)
     for key in live:
         assert cached[key] == pytest.approx(live[key], rel=2e-5, abs=1e-6), key
     assert abs(first_piece_run["val/loss/kd/llama2"] - live["val/loss/kd/llama2"]) > 1e-4
