@@ -74,8 +74,13 @@ def open_cache(t: TeacherConfig, i: int, cfg: Config, tok: Any) -> CachedTeacher
     for ok, message in checks:
         if not ok:
             raise UserError(f"{where} {message}")
-    rows = target_depth(t.target, False), reads_past_end(t.target, False)  # a cross teacher's
-    return CachedTeacher(reader, int(t.top_k), t.name, *rows)
+    return CachedTeacher(  # the rows a cross-tokenizer teacher's target reads
+        reader,
+        int(t.top_k),
+        t.name,
+        depth=target_depth(t.target, same_as_student=False),
+        past_end=reads_past_end(t.target, same_as_student=False),
+    )
 
 
 def check_coverage(cfg: Config, caches: list[CachedTeacher | None]) -> None:
