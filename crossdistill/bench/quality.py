@@ -187,6 +187,19 @@ def train_one(raw: dict[str, Any]) -> float:
     return run_stage(from_dict(Config, raw), reuse=True)["val/bpb/student"]
 
 
+def build_one(raw: dict[str, Any]) -> float:
+    """One teacher cache build in a process of its own (`--teacher-cache`): the config's one
+    teacher over its data section into its `run.out_dir`, in windows of its `data.seq_len`
+    teacher tokens (the length the teacher was trained at; its positions end there). Resumes a
+    build stopped part-way. Returns the teacher's bits per byte on that text."""
+    from crossdistill.train.cache_build import BuildOptions, build_cache
+
+    cfg = from_dict(Config, raw)
+    options = BuildOptions(context=cfg.data.seq_len, progress=False)
+    (manifest,) = build_cache(cfg, {0: Path(cfg.run.out_dir)}, options)
+    return manifest["teacher_bpb"]
+
+
 def train_many(
     cfgs: dict[Any, Config], jobs: int, run: Callable[[dict[str, Any]], float] = train_one
 ) -> Iterator[tuple[Any, float]]:
@@ -305,6 +318,7 @@ class Experiment:
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
         self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
         self.teacher_paths: dict[tuple[str, int], Path] = {}  # (label, teacher seed) -> model
+        self.cache_paths: dict[tuple[str, int], Path] = {}  # with --teacher-cache: its cache
         self.teacher_info: dict[str, dict[str, Any]] = {}
         self.vocab: dict[str, int] = {}  # tokenizer path -> its size, once the corpus is written
         # cell -> seed -> bits per byte; a KD cell's key is (teacher seed, seed)
@@ -347,6 +361,8 @@ class Experiment:
         report = self.report()
         if report["refused"] and not self.spec.keep_going:
             return report
+        if s.teacher_cache:
+            self._run_all([self._cache(*key) for key in self.teacher_paths], run=build_one)
         # seed-major: a run stopped early still has every cell at its first seeds
         self._run_all(
             [
@@ -358,16 +374,15 @@ class Experiment:
         )
         return self.report()
 
-    def _run_all(self, jobs: list[Job]) -> None:
-        """Train `jobs`, `spec.jobs` at a time (each in a process of its own when more than
-        one), recording each as it finishes."""
-        from crossdistill.train.demo import run_stage
-
+    def _run_all(self, jobs: list[Job], run: Callable[[dict[str, Any]], float] = train_one) -> None:
+        """Run `jobs` (`run`: train each; `build_one`: build each one's cache), `spec.jobs` at
+        a time (each in a process of its own when more than one), recording each as it
+        finishes."""
         if self.spec.jobs == 1 or len(jobs) == 1:
             for job in jobs:
                 self.log(f"[quality] {job.describe}")
                 start = time.perf_counter()
-                job.done(run_stage(job.cfg, reuse=True)["val/bpb/student"])
+                job.done(run(to_dict(job.cfg)))
                 self._record(job, start)
             return
         for job in jobs:
@@ -375,7 +390,8 @@ class Experiment:
         start = time.perf_counter()
         by_name = {job.name: job for job in jobs}
         assert len(by_name) == len(jobs), "two runs of one name"
-        for name, bpb in train_many({n: job.cfg for n, job in by_name.items()}, self.spec.jobs):
+        cfgs = {n: job.cfg for n, job in by_name.items()}
+        for name, bpb in train_many(cfgs, self.spec.jobs, run):
             by_name[name].done(bpb)
             self._record(by_name[name], start)
 
@@ -422,6 +438,61 @@ class Experiment:
             teacher_seed=seed if several else None,
         )
 
+    def _teacher_entry(self, label: str, teacher_seed: int, loss: str, target: str) -> dict:
+        """A student's `teachers` entry for the teacher `label` trained from `teacher_seed`;
+        with `--teacher-cache` it reads that teacher's cache (the path is kept so that the run
+        checks the cache was built from it)."""
+        s, spec = self.spec.scale, self.spec
+        entry = {
+            "name": "teacher",
+            "path": str(self.teacher_paths[(label, teacher_seed)]),
+            "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
+            "loss": loss,
+            "target": target,
+            "top_k": spec.top_k,
+            "temperature": spec.temperature,
+        }
+        if (label, teacher_seed) in self.cache_paths:
+            entry["cache"] = str(self.cache_paths[(label, teacher_seed)])
+        return entry
+
+    def _cache(self, label: str, teacher_seed: int) -> Job:
+        """The cache build of the teacher `label` trained from `teacher_seed`: over the
+        students' training text and the held-out text, at the students' top-k and temperature,
+        in windows of the teacher's own sequence length. Its folder is named by a hash of the
+        build's settings and the teacher's weights, so a retrained teacher gets a new cache."""
+        from crossdistill.train.cache_build import weights_fingerprint
+
+        s, spec = self.spec.scale, self.spec
+        entry = self._teacher_entry(label, teacher_seed, SAME_LOSS, TeacherConfig.target)
+        student = model_entry(s.student, spec.student_tokenizer, self.vocab[spec.student_tokenizer])
+        probe = run_config(
+            spec, self.data, self.out, student, steps=1, lr=s.student_lr,
+            seq_len=self.teacher_info[label]["seq_len"], batch=s.student_batch,
+            seed=0, teachers=[entry], progress=False, train_file=student_train_file(self.data, s),
+        )  # fmt: skip
+        digest = config_hash(probe, weights_fingerprint(entry["path"]))
+        several = spec.teacher_seeds > 1
+        folder = self.out / "caches" / f"{label}{f'-teacher{teacher_seed}' if several else ''}"
+        folder = folder.with_name(f"{folder.name}-{digest}")
+        self.cache_paths[(label, teacher_seed)] = folder
+        cfg = replace(probe, run=replace(probe.run, out_dir=str(folder)))
+
+        def done(bpb: float) -> None:
+            info = self.teacher_info[label]
+            caches = info.setdefault("caches", {})
+            caches[str(teacher_seed)] = {"folder": str(folder), "bpb_on_cached_text": bpb}
+
+        return Job(
+            f"cache-{label}",
+            None,
+            cfg,
+            f"teacher cache {label}{f' (teacher seed {teacher_seed})' if several else ''}: "
+            "the students' and the held-out text",
+            done,
+            teacher_seed=teacher_seed if several else None,
+        )
+
     def _student(
         self, cell: Cell, student: dict[str, Any], seed: int, teacher_seed: int = 0
     ) -> Job:
@@ -432,18 +503,8 @@ class Experiment:
         if cell.teacher is not None:
             terms = target_terms(cell.target)
             for name, target in terms:
-                teachers.append(
-                    {
-                        "name": name,
-                        "path": str(self.teacher_paths[(cell.teacher, teacher_seed)]),
-                        "dtype": "bfloat16" if s.device.startswith("cuda") else "float32",
-                        "loss": cell.loss,
-                        "target": target,
-                        "top_k": spec.top_k,
-                        "temperature": spec.temperature,
-                        "kd_chunks": cell.kd_chunks,
-                    }
-                )
+                entry = self._teacher_entry(cell.teacher, teacher_seed, cell.loss, target)
+                teachers.append({**entry, "name": name, "kd_chunks": cell.kd_chunks})
                 if len(terms) > 1:  # one KD term per target, the weight shared equally
                     teachers[-1]["weight"] = 1 / len(terms)
         folder = f"seed{seed}" + (f"-teacher{teacher_seed}" if teacher_seed else "")
@@ -525,6 +586,7 @@ class Experiment:
             },
             "seq_len": s.seq_len,
             "device": s.device,
+            "teacher_cache": s.teacher_cache,
             "versions": library_versions(),
         }
         report["seconds"] = round(time.perf_counter() - self.t0, 1)

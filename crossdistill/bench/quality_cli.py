@@ -117,6 +117,15 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
     p.add_argument(
+        "--teacher-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="KD students read each teacher's top-k from a cache built once (OUT/caches) over "
+        "their text and the held-out text, instead of running the teacher at every step; a "
+        "cached teacher sees each document whole, up to its own sequence length, where a live "
+        "one sees the student row's part of it (default: the scale's; off at cpu and quick)",
+    )
+    p.add_argument(
         "--max-teacher-spread",
         type=float,
         default=0.03,
@@ -162,6 +171,8 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         changes["device"] = args.device
     if args.teacher_size is not None:
         changes["teacher"] = parse_teacher_size(args.teacher_size)
+    if args.teacher_cache is not None:
+        changes["teacher_cache"] = args.teacher_cache
     for key in ("teacher_lr", "student_lr"):
         value = getattr(args, key)
         if value is not None:

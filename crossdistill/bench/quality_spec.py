@@ -52,6 +52,11 @@ class Scale:
     # the students' training text: this many bytes of the teachers', spread through it (epochs
     # repeat over it), as a student is distilled on less text than its teacher saw; None: all
     student_train_bytes: int | None = None
+    # KD students read each teacher's top-k from a cache built once over the students' and the
+    # held-out text, instead of running the teacher at every step: it pays where the students
+    # read their text many times over (the gpu scale's epochs), not where they read a sample of
+    # a large text once (the cpu scale)
+    teacher_cache: bool = False
 
 
 def teacher_shape(width: int, layers: int) -> dict[str, int]:

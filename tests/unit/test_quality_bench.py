@@ -874,3 +874,67 @@ def test_a_pair_of_targets_is_one_kd_term_per_target_at_half_the_weight(tmp_path
         replace(spec, targets=["lookahead_end+lookahead_ends"]).check()
     with pytest.raises(UserError, match="a target twice"):
         replace(spec, targets=["lookahead_end+lookahead_end"]).check()
+
+
+def test_teacher_cache_is_built_once_per_teacher_and_every_kd_student_reads_its_own(
+    tmp_path, tokenizer_dir, capsys
+):
+    """`--teacher-cache`: one build per teacher over the students' and the held-out text, in
+    windows of the teacher's own sequence length; each KD student reads its teacher's cache (the
+    same-tokenizer cell the student tokenizer's, the cross cell the other), CE-only students
+    none; a rerun rebuilds nothing and trains nothing."""
+    from pathlib import Path
+
+    from crossdistill.config import Config, from_dict
+    from crossdistill.train.teacher_cache import inspect_cache
+
+    argv = [
+        "bench", "quality", "--scale", "quick", "--seeds", "2", "--json",
+        "--student-tokenizer", str(tokenizer_dir("gpt2")),
+        "--teacher-tokenizer", str(tokenizer_dir("llama2")),
+        "--target", "lookahead_prefix_end", "--student-bytes", str(2 * PIECE_BYTES),
+        "--teacher-cache", "--out", str(tmp_path),
+        "--max-teacher-spread", "1", "--min-teacher-gain", "0",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["settings"]["teacher_cache"] is True
+    rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert sorted(r["cell"] for r in rows if r["cell"].startswith("cache-")) == [
+        "cache-gpt2",
+        "cache-llama2",
+    ]
+    folders = {}
+    for label, info in report["teacher_runs"].items():
+        cache = info["caches"]["0"]
+        folders[label] = cache["folder"]
+        assert math.isfinite(cache["bpb_on_cached_text"]) and cache["bpb_on_cached_text"] > 0
+    for cell, label in (
+        ("same", "gpt2"),
+        ("cross-llama2-forward_kl-lookahead_prefix_end", "llama2"),
+    ):
+        for seed in range(2):
+            run = tmp_path / "students" / cell / f"seed{seed}"
+            cfg = from_dict(Config, json.loads((run / "config.json").read_text()))
+            (t,) = cfg.teachers
+            assert t.cache == folders[label]
+            assert Path(t.path) == Path(report["teacher_runs"][label]["run"]) / "final"
+            info = inspect_cache(t.cache, cfg=cfg)
+            # every document a student reads, trains or is scored on, under the teacher's length
+            assert info["coverage"] == 1.0 and info["damaged_shards"] == []
+            assert info["context"] == report["teacher_runs"][label]["seq_len"]
+            assert info["top_k"] == t.top_k and info["teacher"]["path"] == t.path
+    ce = json.loads((tmp_path / "students" / "ce" / "seed0" / "config.json").read_text())
+    assert ce["teachers"] == []
+    # the cached teachers taught: each KD cell moved away from CE only on every seed
+    for entry in (report["same_kd"], report["cross"][0]["bpb"]):
+        assert all(abs(a - b) > 1e-4 for a, b in zip(entry["runs"], report["ce_only"]["runs"]))
+
+    shards = {p: p.stat().st_mtime_ns for f in folders.values() for p in Path(f).rglob("*.cdc")}
+    assert shards
+    start = time.perf_counter()
+    assert main(argv) == 0  # everything reused: no shard written again, no student retrained
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["cross"] == report["cross"] and again["same_kd"] == report["same_kd"]
+    assert {p: p.stat().st_mtime_ns for p in shards} == shards
+    assert time.perf_counter() - start < 30
