@@ -123,7 +123,7 @@ def add_parser(subparsers) -> None:
         help="KD students read each teacher's top-k from a cache built once (OUT/caches) over "
         "their text and the held-out text, instead of running the teacher at every step; a "
         "cached teacher sees each document whole, up to its own sequence length, where a live "
-        "one sees the student row's part of it (default: the scale's; off at cpu and quick)",
+        "one sees the student row's part of it (default: the scale's; on at gpu, off at cpu)",
     )
     p.add_argument(
         "--max-teacher-spread",

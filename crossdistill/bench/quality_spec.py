@@ -55,7 +55,7 @@ class Scale:
     # KD students read each teacher's top-k from a cache built once over the students' and the
     # held-out text, instead of running the teacher at every step: it pays where the students
     # read their text many times over (the gpu scale's epochs), not where they read a sample of
-    # a large text once (the cpu scale)
+    # a large text once (the cpu scale, whose build would cost more than its students' teacher)
     teacher_cache: bool = False
 
 
@@ -174,6 +174,7 @@ SCALES: dict[str, Scale] = {
         teacher_accum=2,
         jobs=5,
         student_train_bytes=1_000_000,
+        teacher_cache=True,
     ),
 }
 

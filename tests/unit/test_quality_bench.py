@@ -389,7 +389,7 @@ def parsed_spec(out, *extra: str) -> QualitySpec:
     return spec_from_args(build_parser().parse_args(argv))
 
 
-def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(tmp_path):
+def test_gpu_scale_students_take_the_first_megabyte_from_cached_teachers(tmp_path):
     def spec(*extra: str) -> QualitySpec:
         return parsed_spec(tmp_path, *extra)
 
@@ -399,6 +399,11 @@ def test_gpu_scale_students_take_the_first_megabyte_and_zero_gives_all_the_text(
     assert spec("--scale", "cpu").scale.student_train_bytes is None
     with pytest.raises(UserError, match="or 0 for all of the text"):
         spec("--scale", "gpu", "--student-bytes", "-3")
+    # the gpu scale's students read their megabyte in epochs: the teachers from caches
+    assert spec("--scale", "gpu").scale.teacher_cache
+    assert not spec("--scale", "gpu", "--no-teacher-cache").scale.teacher_cache
+    assert not spec("--scale", "cpu").scale.teacher_cache
+    assert spec("--scale", "cpu", "--teacher-cache").scale.teacher_cache
 
 
 def test_learning_rates_override_the_scale_and_nonsense_is_refused(tmp_path):
