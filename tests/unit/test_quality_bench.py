@@ -943,3 +943,26 @@ def test_teacher_cache_is_built_once_per_teacher_and_every_kd_student_reads_its_
     assert again["cross"] == report["cross"] and again["same_kd"] == report["same_kd"]
     assert {p: p.stat().st_mtime_ns for p in shards} == shards
     assert time.perf_counter() - start < 30
+
+
+def test_seed_split_script_trains_each_order_and_init_apart(tokenizer_dir, tmp_path):
+    """`seed_split.py`: the CE-only and the KD student at each (data order, init) pair, from the
+    bench's own teacher and cache; the order and the init each change the student."""
+    result = _script(
+        "seed_split.py", "--scale", "quick", "--student-tokenizer", str(tokenizer_dir("gpt2")),
+        "--teacher-tokenizer", str(tokenizer_dir("llama2")), "--student-bytes",
+        str(2 * PIECE_BYTES), "--teacher-cache", "--orders", "0", "1", "--inits", "0", "1",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result["cell"] == "cross-llama2-forward_kl"
+    pairs = {(p["order"], p["init"]): p for p in result["pairs"]}
+    assert sorted(pairs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for p in pairs.values():
+        assert math.isfinite(p["kd"]) and p["change_vs_ce"] == pytest.approx(p["kd"] / p["ce"] - 1)
+    ce = {k: p["ce"] for k, p in pairs.items()}
+    assert ce[(0, 0)] != ce[(1, 0)] and ce[(0, 0)] != ce[(0, 1)]
+    teachers = sorted(p.name.split("-")[0] for p in (tmp_path / "teachers").iterdir())
+    assert teachers == ["llama2"]  # only the teacher the cell learns from
+    runs = tmp_path / "split" / "cross-llama2-forward_kl" / "order1-init0"
+    cfg = json.loads((runs / "config.json").read_text())
+    assert (cfg["data"]["seed"], cfg["train"]["seed"]) == (1, 0) and cfg["teachers"][0]["cache"]
