@@ -288,6 +288,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             each = ", ".join(f"{seeds[t]['bpb']:.4f}" for t in sorted(seeds, key=int))
             mark += f"   mean of seeds {each}"
         print(f"  {name:24s} {value:.4f}{mark}", file=file)
+    if report.get("settings", {}).get("teacher_cache"):
+        print("  (the KD students read each teacher's top-k from its cache)", file=file)
     print("\nstudents, held-out bits per byte (mean ± std over seeds):", file=file)
     print(f"  {'CE only':40s} {pm(report['ce_only'])}", file=file)
     print(f"  {'same-tokenizer KD':40s} {pm(report['same_kd'])}", file=file)

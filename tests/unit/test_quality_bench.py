@@ -902,8 +902,10 @@ def test_teacher_cache_is_built_once_per_teacher_and_every_kd_student_reads_its_
         "--max-teacher-spread", "1", "--min-teacher-gain", "0",
     ]  # fmt: skip
     assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    report = json.loads(captured.out.strip().splitlines()[-1])
     assert report["settings"]["teacher_cache"] is True
+    assert "read each teacher's top-k from its cache" in captured.err  # the table, under --json
     rows = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
     assert sorted(r["cell"] for r in rows if r["cell"].startswith("cache-")) == [
         "cache-gpt2",
