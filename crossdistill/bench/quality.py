@@ -11,7 +11,9 @@ from a teacher with the student's own tokenizer? A controlled experiment on a co
    `--teacher-seeds N` trains each N times, from seeds 0 to N-1.
 3. Students of one architecture, steps and data order, for every seed: CE only, same-tokenizer
    KD, and cross-tokenizer KD for every teacher tokenizer, `--loss` and `--target`; each KD
-   student under each teacher seed.
+   student under each teacher seed. With `--teacher-cache` (the gpu scale's default) each
+   teacher is first run once over the students' and the held-out text into a cache
+   (OUT/caches), and its KD students read their targets from it instead of running it.
 4. Held-out bits per byte (mean ± standard deviation over seeds) and the gap closed,
    (CE only − cross KD) / (CE only − same-tokenizer KD), per seed, then mean ± std, and from
    the means with a bootstrap interval. With several teacher seeds these run over every
