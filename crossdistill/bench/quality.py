@@ -475,8 +475,8 @@ class Experiment:
         )  # fmt: skip
         digest = config_hash(probe, weights_fingerprint(entry["path"]))
         several = spec.teacher_seeds > 1
-        folder = self.out / "caches" / f"{label}{f'-teacher{teacher_seed}' if several else ''}"
-        folder = folder.with_name(f"{folder.name}-{digest}")
+        seed_part = f"-teacher{teacher_seed}" if several else ""
+        folder = self.out / "caches" / f"{label}{seed_part}-{digest}"
         self.cache_paths[(label, teacher_seed)] = folder
         cfg = replace(probe, run=replace(probe.run, out_dir=str(folder)))
 
