@@ -107,6 +107,7 @@ def run_config(
     accum: int = 1,
     train_file: Path | None = None,
     ce_without_kd: str = TrainConfig.ce_without_kd,
+    kd_warmup_steps: int = TrainConfig.kd_warmup_steps,
 ) -> Config:
     """One training run; `train_file` (default: all of the training text) is what it reads."""
     s = spec.scale
@@ -127,6 +128,7 @@ def run_config(
             "grad_accum": accum,
             "kd_ratio": spec.kd_ratio if teachers else 0.0,
             "ce_without_kd": ce_without_kd,
+            "kd_warmup_steps": kd_warmup_steps,
             "seed": seed,
             "eval_every": steps,
             "eval_batches": 1 << 30,  # the whole held-out split
@@ -310,13 +312,17 @@ class Experiment:
         for label in self.labels.values():
             for loss, target in cell_settings(spec.losses, spec.targets):
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
-                for chunks, ce in itertools.product(spec.kd_chunks, spec.ce_without_kd):
+                for chunks, ce, warmup in itertools.product(
+                    spec.kd_chunks, spec.ce_without_kd, spec.kd_warmup_steps
+                ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
                         name += f"-{chunks}"
                     if ce != TrainConfig.ce_without_kd:
                         name += f"-ce_{ce}"
-                    self.cells.append(Cell(name, label, loss, target, chunks, ce))
+                    if warmup != TrainConfig.kd_warmup_steps:
+                        name += f"-kd_warmup{warmup}"
+                    self.cells.append(Cell(name, label, loss, target, chunks, ce, warmup))
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
         self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
         self.teacher_paths: dict[tuple[str, int], Path] = {}  # (label, teacher seed) -> model
@@ -515,7 +521,7 @@ class Experiment:
             spec, self.data, run_dir, student, steps=s.student_steps, lr=s.student_lr,
             seq_len=s.seq_len, batch=s.student_batch, seed=seed, teachers=teachers,
             progress=False, train_file=student_train_file(self.data, s),
-            ce_without_kd=cell.ce_without_kd,
+            ce_without_kd=cell.ce_without_kd, kd_warmup_steps=cell.kd_warmup_steps,
         )  # fmt: skip
 
         cross = cell.teacher not in (None, self.same_label)
@@ -566,6 +572,7 @@ class Experiment:
             "targets": self.spec.targets,
             "kd_chunks": self.spec.kd_chunks,
             "ce_without_kd": self.spec.ce_without_kd,
+            "kd_warmup_steps": self.spec.kd_warmup_steps,
             "kd_ratio": self.spec.kd_ratio,
             "top_k": self.spec.top_k,
             "temperature": self.spec.temperature,

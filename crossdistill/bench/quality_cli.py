@@ -93,6 +93,16 @@ def add_parser(subparsers) -> None:
             help=f"the cross cells' {setting} (repeatable; default {default}): each cross cell "
             "runs under each",
         )
+    p.add_argument(
+        "--kd-warmup-steps",
+        action="append",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the cross cells' train.kd_warmup_steps (repeatable; default "
+        f"{TrainConfig.kd_warmup_steps}: none): the KD weight rises from 0 to --kd-ratio over "
+        "the students' first N steps; each cross cell runs under each",
+    )
     p.add_argument("--kd-ratio", type=float, default=0.5)
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
@@ -208,6 +218,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
         kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
+        kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
         kd_ratio=args.kd_ratio,
         top_k=args.top_k,
         temperature=args.temperature,

@@ -25,6 +25,7 @@ class Cell:
     target: str = TeacherConfig.target
     kd_chunks: str = TeacherConfig.kd_chunks
     ce_without_kd: str = TrainConfig.ce_without_kd
+    kd_warmup_steps: int = TrainConfig.kd_warmup_steps
 
 
 def summarize(
@@ -139,6 +140,7 @@ def summarize(
             "target": cell.target,
             "kd_chunks": cell.kd_chunks,
             "ce_without_kd": cell.ce_without_kd,
+            "kd_warmup_steps": cell.kd_warmup_steps,
             "cell": cell.name,
             "bpb": _stats(cross),
             "beats_ce_every_seed": bool(cross)
@@ -304,6 +306,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" kd_chunks {entry['kd_chunks']}"
         if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
             label += f" ce_without_kd {entry['ce_without_kd']}"
+        if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):
+            label += f" kd_warmup_steps {entry['kd_warmup_steps']}"
         gap = entry.get("gap_closed")
         gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
         means = entry.get("gap_closed_of_means")

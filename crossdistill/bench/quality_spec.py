@@ -226,6 +226,8 @@ class QualitySpec:
     kd_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.kd_chunks])
     # the cross cells' `train.ce_without_kd`: each cross cell runs under each
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
+    # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
+    kd_warmup_steps: list[int] = field(default_factory=lambda: [TrainConfig.kd_warmup_steps])
     kd_ratio: float = 0.5
     top_k: int = TeacherConfig.top_k
     temperature: float = TeacherConfig.temperature
@@ -269,6 +271,12 @@ class QualitySpec:
             for name in names:
                 if name not in choices:
                     raise UserError(f"unknown {flag} {name!r}; use one of {', '.join(choices)}")
+        for steps in self.kd_warmup_steps:
+            if not 0 <= steps <= self.scale.student_steps:
+                raise UserError(
+                    f"--kd-warmup-steps {steps}: give 0 (no warm-up) up to the students' "
+                    f"{self.scale.student_steps} steps"
+                )
         if not 0.0 < self.kd_ratio <= 1.0:
             raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
         if self.jobs < 1:

@@ -122,7 +122,8 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
         for step in range(start_step, cfg.train.steps):
             window = [next(batches) for _ in range(cfg.train.grad_accum)]
             tokens += sum(mb.student.num_target_tokens for mb in window)
-            metrics = train_step(c.student, c.slots, window, settings, c.placement)
+            step_settings = settings.at(step)
+            metrics = train_step(c.student, c.slots, window, step_settings, c.placement)
             grad_norm = c.placement.clip_grads(c.student, cfg.optim.grad_clip)
             # one host sync per step, outside the loss: a non-finite step is skipped
             finite = bool(torch.isfinite(metrics["loss"]) & torch.isfinite(grad_norm))
@@ -150,6 +151,7 @@ def _loop(c, cfg, run_dir, start_step, stop_after, settings, logger, saver):
                 metrics.update(
                     grad_norm=grad_norm,
                     lr=c.scheduler.get_last_lr()[0],
+                    **({"kd_ratio": step_settings.kd_ratio} if settings.kd_warmup_steps else {}),
                     tokens_per_s=_all_tokens(c, tokens) / max(now - t_last, 1e-9),
                 )
                 if waited is not None:  # share of the time spent waiting for streamed targets

@@ -17,7 +17,7 @@ Order of work, and why:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -61,6 +61,7 @@ class StepSettings:
     device: torch.device
     fused: bool | None = None  # the loss kernels: None = where they apply, False = PyTorch
     ce_without_kd: CEWithoutKD = "ratio"  # TrainConfig.ce_without_kd
+    kd_warmup_steps: int = 0  # TrainConfig.kd_warmup_steps
 
     @classmethod
     def of(cls, train: TrainConfig, device: torch.device) -> StepSettings:
@@ -73,7 +74,15 @@ class StepSettings:
             device=device,
             fused=None if train.loss_kernels == "auto" else False,
             ce_without_kd=train.ce_without_kd,
+            kd_warmup_steps=train.kd_warmup_steps,
         )
+
+    def at(self, step: int) -> StepSettings:
+        """The settings of step `step` (0-based): the KD weight of the warm-up, a function of
+        the step alone, so a resumed run weighs its steps as the run it continues did."""
+        if step >= self.kd_warmup_steps:
+            return self
+        return replace(self, kd_ratio=self.kd_ratio * (step + 1) / self.kd_warmup_steps)
 
 
 def teacher_weights(

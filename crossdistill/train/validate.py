@@ -145,6 +145,10 @@ def _check_scalars(cfg: Config) -> None:
     rules = [
         (0.0 <= t.kd_ratio <= 1.0, f"train.kd_ratio must be in [0, 1], got {t.kd_ratio}"),
         (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
+        (
+            t.kd_warmup_steps >= 0,
+            f"train.kd_warmup_steps must be >= 0 (0: no warm-up), got {t.kd_warmup_steps}",
+        ),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (cfg.data.seq_len >= 8, f"data.seq_len must be >= 8, got {cfg.data.seq_len}"),
         (cfg.data.micro_batch_size >= 1, "data.micro_batch_size must be >= 1"),

@@ -360,6 +360,7 @@ def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, toke
     raw = to_dict(every)
     raw["teachers"][0].pop("kd_chunks")
     raw["train"].pop("ce_without_kd")
+    raw["train"].pop("kd_warmup_steps")
     saved.write_text(json.dumps(raw))
     assert _saved_config(saved) == to_dict(every)
     with pytest.raises(UserError, match="unknown --kd-chunks 'both'"):
@@ -968,3 +969,41 @@ def test_seed_split_script_trains_each_order_and_init_apart(tokenizer_dir, tmp_p
     runs = tmp_path / "split" / "cross-llama2-forward_kl" / "order1-init0"
     cfg = json.loads((runs / "config.json").read_text())
     assert (cfg["data"]["seed"], cfg["train"]["seed"]) == (1, 0) and cfg["teachers"][0]["cache"]
+
+
+def test_kd_warmup_cells_reach_the_student_runs_and_the_table(tmp_path, tokenizer_dir):
+    """`--kd-warmup-steps 0 --kd-warmup-steps 6`: each cross cell runs without and with a
+    6-step warm-up of the KD weight, the same-tokenizer cell without; the report pairs the
+    warm-up cell with the first and names it; a warm-up past the students' steps is refused."""
+    from pathlib import Path
+
+    from crossdistill.bench.quality import Experiment, model_entry
+
+    teacher_tok = str(tokenizer_dir("llama2"))
+    spec = parsed_spec(tmp_path, "--kd-warmup-steps", "0", "--kd-warmup-steps", "6")
+    assert spec.kd_warmup_steps == [0, 6]
+    spec = replace(spec, student_tokenizer=str(tokenizer_dir("gpt2")),
+                   teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
+                   seeds=2, targets=["first_piece"])  # fmt: skip
+    exp = Experiment(spec, log=lambda _: None)
+    exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
+    exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
+    student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
+    base = "cross-llama2-forward_kl-first_piece"
+    assert [cell.name for cell in exp.cells] == ["ce", "same", base, f"{base}-kd_warmup6"]
+    runs = {cell.name: exp._student(cell, student, seed=0).cfg for cell in exp.cells}
+    assert runs[f"{base}-kd_warmup6"].train.kd_warmup_steps == 6
+    assert runs[base].train.kd_warmup_steps == runs["same"].train.kd_warmup_steps == 0
+    fake = {"ce": {0: 2.1, 1: 2.2}, "same": {0: 1.9, 1: 2.0}, base: {0: 2.0, 1: 2.1},
+            f"{base}-kd_warmup6": {0: 1.95, 1: 2.15}}  # fmt: skip
+    report = summarize({"gpt2": 1.0, "llama2": 1.0}, fake, exp.cells, "gpt2", spec)
+    warm = report["cross"][1]
+    assert warm["kd_warmup_steps"] == 6 and report["cross"][0]["kd_warmup_steps"] == 0
+    assert warm["change_vs_target"]["cell"] == base and warm["change_vs_target"]["better"] == 1
+    buffer = io.StringIO()
+    print_table(report, file=buffer)
+    assert "cross KD llama2 forward_kl first_piece kd_warmup_steps 6" in buffer.getvalue()
+    with pytest.raises(UserError, match="--kd-warmup-steps 13: give 0 .* up to the students' 12"):
+        replace(spec, kd_warmup_steps=[13]).check()
+    with pytest.raises(UserError, match="--kd-warmup-steps -1"):
+        replace(spec, kd_warmup_steps=[-1]).check()

@@ -334,3 +334,33 @@ def test_ce_without_kd_reaches_the_loss_from_the_config(corpus, tmp_path, tokeni
         UserError, match=r"train.ce_without_kd: 'half' is not one of \['ratio', 'full'\]"
     ):
         _cfg(corpus, tmp_path / "bad", tokenizer_dir, teachers, ce_without_kd="half")
+
+
+def test_kd_warmup_raises_the_kd_weight_step_by_step_and_resumes_exactly(
+    corpus, tmp_path, tokenizer_dir
+):
+    """`train.kd_warmup_steps: 4` over 6 steps: the KD weight is kd_ratio·(s + 1)/4 at step s
+    and kd_ratio from step 4 on, each step's loss is (1 − w)·CE + w·KD at that weight, and a
+    run killed inside the warm-up resumes to the same losses bit for bit."""
+    teachers = [_teacher(tokenizer_dir, "gpt2", "gpt2", 50304)]  # covers every token
+    settings = dict(steps=6, kd_ratio=0.4, kd_warmup_steps=4, checkpoint_in_background=False)
+    full = _cfg(corpus, tmp_path / "full", tokenizer_dir, teachers, **settings)
+    train(full)
+    rows = [r for r in read_metrics(tmp_path / "full" / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    weights = [r["kd_ratio"] for r in rows]
+    assert weights == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4, 0.4], abs=1e-12)
+    for r, w in zip(rows, weights, strict=True):
+        assert r["loss"] == pytest.approx((1 - w) * r["ce"] + w * r["kd/gpt2"], rel=1e-5)
+    part = _cfg(corpus, tmp_path / "part", tokenizer_dir, teachers, **settings)
+    train(part, stop_after=3)  # its last checkpoint is step 2's, inside the warm-up
+    train(part, resume=True)
+    assert _losses(tmp_path / "part") == _losses(tmp_path / "full")
+    # without a warm-up the first step already weighs KD at kd_ratio, and logs no weight
+    plain = _cfg(corpus, tmp_path / "plain", tokenizer_dir, teachers, steps=1, kd_ratio=0.4)
+    train(plain)
+    (first,) = [r for r in read_metrics(tmp_path / "plain" / "metrics.jsonl") if "loss" in r]
+    assert "kd_ratio" not in first
+    assert first["loss"] == pytest.approx(0.6 * first["ce"] + 0.4 * first["kd/gpt2"], rel=1e-5)
+    with pytest.raises(UserError, match="train.kd_warmup_steps must be >= 0"):
+        train(_cfg(corpus, tmp_path / "bad", tokenizer_dir, teachers, kd_warmup_steps=-1))
