@@ -41,15 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     exp = Experiment(spec, log=lambda line: print(line, file=sys.stderr, flush=True))
     cell = next(c for c in exp.cells if (c.name == "same") == (own.cell == "same") and c.teacher)
     teachers = [job for job in exp.teacher_jobs() if job.cell == f"teacher-{cell.teacher}"]
-    exp._run_all(teachers)
+    exp.run_jobs(teachers)
     if spec.scale.teacher_cache:
-        exp._run_all([exp._cache(cell.teacher, 0)], run=build_one)
+        exp.run_jobs([exp.cache_job(cell.teacher, 0)], run=build_one)
     s = spec.scale
     student = model_entry(s.student, spec.student_tokenizer, exp.vocab[spec.student_tokenizer])
     runs = {}
     for order, init in itertools.product(own.orders, own.inits):
         for kind in (exp.cells[0], cell):  # CE only, then the KD cell
-            cfg = exp._student(kind, student, init).cfg
+            cfg = exp.student_job(kind, student, init).cfg
             folder = spec.out / "split" / kind.name / f"order{order}-init{init}"
             runs[(kind.name, order, init)] = replace(
                 cfg,

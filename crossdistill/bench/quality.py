@@ -358,23 +358,23 @@ class Experiment:
 
     def run(self) -> dict[str, Any]:
         s, spec = self.spec.scale, self.spec
-        self._run_all(self.teacher_jobs())
+        self.run_jobs(self.teacher_jobs())
         report = self.report()
         if report["refused"] and not self.spec.keep_going:
             return report  # the teachers alone say the comparison cannot be made
         vocab = self.vocab[spec.student_tokenizer]
         student = model_entry(s.student, spec.student_tokenizer, vocab)
         seeds = range(spec.seeds)
-        self._run_all([self._student(self.cells[0], student, seed) for seed in seeds])
+        self.run_jobs([self.student_job(self.cells[0], student, seed) for seed in seeds])
         report = self.report()
         if report["refused"] and not self.spec.keep_going:
             return report
         if s.teacher_cache:
-            self._run_all([self._cache(*key) for key in self.teacher_paths], run=build_one)
+            self.run_jobs([self.cache_job(*key) for key in self.teacher_paths], run=build_one)
         # seed-major: a run stopped early still has every cell at its first seeds
-        self._run_all(
+        self.run_jobs(
             [
-                self._student(c, student, seed, t)
+                self.student_job(c, student, seed, t)
                 for seed in seeds
                 for t in range(spec.teacher_seeds)
                 for c in self.cells[1:]
@@ -382,7 +382,7 @@ class Experiment:
         )
         return self.report()
 
-    def _run_all(self, jobs: list[Job], run: Callable[[dict[str, Any]], float] = train_one) -> None:
+    def run_jobs(self, jobs: list[Job], run: Callable[[dict[str, Any]], float] = train_one) -> None:
         """Run `jobs` (`run`: train each; `build_one`: build each one's cache), `spec.jobs` at
         a time (each in a process of its own when more than one), recording each as it
         finishes."""
@@ -464,7 +464,7 @@ class Experiment:
             entry["cache"] = str(self.cache_paths[(label, teacher_seed)])
         return entry
 
-    def _cache(self, label: str, teacher_seed: int) -> Job:
+    def cache_job(self, label: str, teacher_seed: int) -> Job:
         """The cache build of the teacher `label` trained from `teacher_seed`: over the
         students' training text and the held-out text, at the students' top-k and temperature,
         in windows of the teacher's own sequence length. Its folder is named by a hash of the
@@ -501,7 +501,7 @@ class Experiment:
             teacher_seed=teacher_seed if several else None,
         )
 
-    def _student(
+    def student_job(
         self, cell: Cell, student: dict[str, Any], seed: int, teacher_seed: int = 0
     ) -> Job:
         """The student run of `cell` at `seed`, learning from the teacher trained from

@@ -317,7 +317,7 @@ def test_auto_is_resolved_and_reported_for_the_projected_losses_only(tmp_path, t
     names = [cell.name for cell in exp.cells]
     assert names == ["ce", "same", "cross-llama2-forward_kl", "cross-llama2-gold"]
     for cell in exp.cells:
-        exp._student(cell, student, seed=0)
+        exp.student_job(cell, student, seed=0)
     # GPT-2's tokens are short: Llama-2's first piece is right too often for a far pair here,
     # and too rarely for a near one
     assert exp.chosen == {"cross-llama2-forward_kl": "lookahead_prefix_end"}
@@ -348,7 +348,7 @@ def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, toke
     base = "cross-llama2-forward_kl-first_piece"
     assert names == ["ce", "same", base, f"{base}-ce_full", f"{base}-single_side",
                      f"{base}-single_side-ce_full"]  # fmt: skip
-    runs = {cell.name: exp._student(cell, student, seed=0).cfg for cell in exp.cells}
+    runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
     every, single = runs[base], runs[f"{base}-single_side-ce_full"]
     assert every.teachers[0].kd_chunks == "all" and single.teachers[0].kd_chunks == "single_side"
     assert every.train.ce_without_kd == "ratio" and single.train.ce_without_kd == "full"
@@ -866,8 +866,8 @@ def test_a_pair_of_targets_is_one_kd_term_per_target_at_half_the_weight(tmp_path
     exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
     student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
     cells = {cell.name: cell for cell in exp.cells}
-    both = exp._student(cells[f"cross-llama2-forward_kl-{pair}"], student, seed=0).cfg
-    one = exp._student(cells["cross-llama2-forward_kl-lookahead_prefix_end"], student, 0).cfg
+    both = exp.student_job(cells[f"cross-llama2-forward_kl-{pair}"], student, seed=0).cfg
+    one = exp.student_job(cells["cross-llama2-forward_kl-lookahead_prefix_end"], student, 0).cfg
     assert [(t.name, t.target, t.weight, t.path) for t in both.teachers] == [
         ("teacher_lookahead_end", "lookahead_end", 0.5, teacher_tok),
         ("teacher_lookahead_prefix_end", "lookahead_prefix_end", 0.5, teacher_tok),
@@ -991,7 +991,7 @@ def test_kd_warmup_cells_reach_the_student_runs_and_the_table(tmp_path, tokenize
     student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
     base = "cross-llama2-forward_kl-first_piece"
     assert [cell.name for cell in exp.cells] == ["ce", "same", base, f"{base}-kd_warmup6"]
-    runs = {cell.name: exp._student(cell, student, seed=0).cfg for cell in exp.cells}
+    runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
     assert runs[f"{base}-kd_warmup6"].train.kd_warmup_steps == 6
     assert runs[base].train.kd_warmup_steps == runs["same"].train.kd_warmup_steps == 0
     fake = {"ce": {0: 2.1, 1: 2.2}, "same": {0: 1.9, 1: 2.0}, base: {0: 2.0, 1: 2.1},

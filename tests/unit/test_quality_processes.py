@@ -149,7 +149,7 @@ def wait_for_go_then_fail_on_seed_1(raw) -> float:
 
 @pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1)])
 def test_a_run_that_ends_with_a_failing_one_is_still_reported(tmp_path, order):
-    """Seeds 1 and 2 end while the consumer of the results is busy (as `_run_all` is, writing
+    """Seeds 1 and 2 end while the consumer of the results is busy (as `run_jobs` is, writing
     cells.jsonl), so one wait finds both: seed 2's result comes out before seed 1's error,
     whichever of the two started first."""
     cfgs = {f"seed {s}": _cfg(s, tmp_path / f"run{s}") for s in order}
