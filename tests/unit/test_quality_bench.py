@@ -323,27 +323,36 @@ def test_auto_is_resolved_and_reported_for_the_projected_losses_only(tmp_path, t
     assert exp.chosen == {"cross-llama2-forward_kl": "lookahead_prefix_end"}
 
 
-def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
-    """`--kd-chunks all --kd-chunks single_side --ce-without-kd ratio --ce-without-kd full`:
-    each cross cell runs under each pair, and the options reach the run's teacher and training
-    settings; a run saved before the options existed is still the same run as the default's
-    (so a rerun reuses it)."""
+def _quick_cells(tmp_path, tokenizer_dir, *flags: str):
+    """`bench quality FLAGS` at the quick scale, GPT-2 student and Llama-2 teacher at the first
+    piece, with its corpus written and Llama-2's tokenizer folder standing in for its trained
+    teacher: (spec, experiment, the student's model entry), for building run configs."""
     from pathlib import Path
 
     from crossdistill.bench.quality import Experiment, model_entry
-    from crossdistill.train.demo import _saved_config
 
     teacher_tok = str(tokenizer_dir("llama2"))
-    spec = parsed_spec(tmp_path, "--kd-chunks", "all", "--kd-chunks", "single_side",
-                       "--ce-without-kd", "ratio", "--ce-without-kd", "full")  # fmt: skip
-    assert spec.kd_chunks == ["all", "single_side"] and spec.ce_without_kd == ["ratio", "full"]
-    spec = replace(spec, student_tokenizer=str(tokenizer_dir("gpt2")),
+    spec = replace(parsed_spec(tmp_path, *flags), student_tokenizer=str(tokenizer_dir("gpt2")),
                    teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
                    seeds=2, targets=["first_piece"])  # fmt: skip
     exp = Experiment(spec, log=lambda _: None)
     exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
     exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
     student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
+    return spec, exp, student
+
+
+def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
+    """`--kd-chunks all --kd-chunks single_side --ce-without-kd ratio --ce-without-kd full`:
+    each cross cell runs under each pair, and the options reach the run's teacher and training
+    settings; a run saved before the options existed is still the same run as the default's
+    (so a rerun reuses it)."""
+    from crossdistill.train.demo import _saved_config
+
+    spec, exp, student = _quick_cells(tmp_path, tokenizer_dir, "--kd-chunks", "all",
+                                      "--kd-chunks", "single_side", "--ce-without-kd", "ratio",
+                                      "--ce-without-kd", "full")  # fmt: skip
+    assert spec.kd_chunks == ["all", "single_side"] and spec.ce_without_kd == ["ratio", "full"]
     names = [cell.name for cell in exp.cells]
     base = "cross-llama2-forward_kl-first_piece"
     assert names == ["ce", "same", base, f"{base}-ce_full", f"{base}-single_side",
@@ -975,20 +984,10 @@ def test_kd_warmup_cells_reach_the_student_runs_and_the_table(tmp_path, tokenize
     """`--kd-warmup-steps 0 --kd-warmup-steps 6`: each cross cell runs without and with a
     6-step warm-up of the KD weight, the same-tokenizer cell without; the report pairs the
     warm-up cell with the first and names it; a warm-up past the students' steps is refused."""
-    from pathlib import Path
-
-    from crossdistill.bench.quality import Experiment, model_entry
-
-    teacher_tok = str(tokenizer_dir("llama2"))
-    spec = parsed_spec(tmp_path, "--kd-warmup-steps", "0", "--kd-warmup-steps", "6")
+    spec, exp, student = _quick_cells(
+        tmp_path, tokenizer_dir, "--kd-warmup-steps", "0", "--kd-warmup-steps", "6"
+    )
     assert spec.kd_warmup_steps == [0, 6]
-    spec = replace(spec, student_tokenizer=str(tokenizer_dir("gpt2")),
-                   teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
-                   seeds=2, targets=["first_piece"])  # fmt: skip
-    exp = Experiment(spec, log=lambda _: None)
-    exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
-    exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
-    student = model_entry(spec.scale.student, spec.student_tokenizer, exp.vocab[teacher_tok])
     base = "cross-llama2-forward_kl-first_piece"
     assert [cell.name for cell in exp.cells] == ["ce", "same", base, f"{base}-kd_warmup6"]
     runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
