@@ -100,7 +100,7 @@ def add_parser(subparsers) -> None:
         default=None,
         metavar="N",
         help="the cross cells' train.kd_warmup_steps (repeatable; default "
-        f"{TrainConfig.kd_warmup_steps}: none): the KD weight rises from 0 to --kd-ratio over "
+        f"{TrainConfig.kd_warmup_steps}: none): the KD weight rises linearly to --kd-ratio over "
         "the students' first N steps; each cross cell runs under each",
     )
     p.add_argument("--kd-ratio", type=float, default=0.5)

@@ -149,6 +149,11 @@ def _check_scalars(cfg: Config) -> None:
             t.kd_warmup_steps >= 0,
             f"train.kd_warmup_steps must be >= 0 (0: no warm-up), got {t.kd_warmup_steps}",
         ),
+        (
+            t.kd_warmup_steps <= t.steps,
+            f"train.kd_warmup_steps = {t.kd_warmup_steps} is past train.steps = {t.steps}: the "
+            "KD weight would never reach train.kd_ratio; give at most train.steps",
+        ),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (cfg.data.seq_len >= 8, f"data.seq_len must be >= 8, got {cfg.data.seq_len}"),
         (cfg.data.micro_batch_size >= 1, "data.micro_batch_size must be >= 1"),

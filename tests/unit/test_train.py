@@ -364,3 +364,5 @@ def test_kd_warmup_raises_the_kd_weight_step_by_step_and_resumes_exactly(
     assert first["loss"] == pytest.approx(0.6 * first["ce"] + 0.4 * first["kd/gpt2"], rel=1e-5)
     with pytest.raises(UserError, match="train.kd_warmup_steps must be >= 0"):
         train(_cfg(corpus, tmp_path / "bad", tokenizer_dir, teachers, kd_warmup_steps=-1))
+    with pytest.raises(UserError, match="kd_warmup_steps = 5 is past train.steps = 4"):
+        train(_cfg(corpus, tmp_path / "long", tokenizer_dir, teachers, kd_warmup_steps=5))
