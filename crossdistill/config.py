@@ -209,8 +209,9 @@ class TrainConfig:
     grad_accum: int = 1
     kd_ratio: float = 0.5
     # the KD weight rises linearly from kd_ratio/N at the first step to kd_ratio at step N
-    # (CE takes the rest), so a student from scratch learns from its labels before it is pulled
-    # toward a teacher whose distribution it cannot yet follow; 0: kd_ratio from the start
+    # (CE takes the rest): a student from scratch learns from its labels before a teacher pulls
+    # it; that moves a run's early path both ways (benchmarks/README.md, "A warm-up of the KD
+    # weight"), so it is off by default; 0: kd_ratio from the start
     kd_warmup_steps: int = 0
     # the CE weight of a token that no teacher gives a KD target (past the first student token
     # of a cross teacher's chunk, a chunk that kd_chunks leaves out, the end of a window):
