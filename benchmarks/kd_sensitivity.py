@@ -53,6 +53,7 @@ def run_seed(
     teacher_steps: int | None = None,
     kd_chunks: tuple[str, ...] = ("all",),
     ce_without_kd: tuple[str, ...] = ("ratio",),
+    kd_warmup_steps: tuple[int, ...] = (0,),
 ) -> dict:
     from crossdistill.bench.quality_spec import target_terms
     from crossdistill.config import DISTRIBUTION_LOSSES
@@ -104,8 +105,8 @@ def run_seed(
 
     score(student_stage(f"student_ce{lr_tag}"), f"ce_only{lr_tag}")
     k = top_k or demo.DEMO["top_k"]
-    for name, loss, target, chunks, ce in itertools.product(
-        which, losses, targets, kd_chunks, ce_without_kd
+    for name, loss, target, chunks, ce, warmup in itertools.product(
+        which, losses, targets, kd_chunks, ce_without_kd, kd_warmup_steps
     ):
         if target != "first_piece" and loss not in DISTRIBUTION_LOSSES:
             continue  # the other targets change the projected losses only
@@ -124,7 +125,8 @@ def run_seed(
         tag = name if loss == "forward_kl" else f"{name}_{loss}"
         tag += "" if target == "first_piece" else f"_{target}"
         tag += ("" if chunks == "all" else f"_{chunks}") + ("" if ce == "ratio" else f"_ce{ce}")
-        tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + t_tag + lr_tag
+        tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + ("" if not warmup else f"_w{warmup}")
+        tag += t_tag + lr_tag
         # "A+B": one teacher read twice, under target A and under target B, each at weight 1/2
         terms = target_terms(target)
         entries = [
@@ -135,6 +137,7 @@ def run_seed(
             cfg = student_stage(f"kd_{tag}_{ratio}", entries)
             cfg.train.kd_ratio = ratio
             cfg.train.ce_without_kd = ce
+            cfg.train.kd_warmup_steps = warmup
             score(cfg, f"kd_{tag}_{ratio}")
     return result
 
@@ -165,6 +168,14 @@ def main() -> int:
             flag, nargs="+", default=[default], choices=get_args(kind),
             help=f"the cross students' {setting}",
         )  # fmt: skip
+    p.add_argument(
+        "--kd-warmup-steps",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="the KD students' train.kd_warmup_steps (the KD weight rises linearly over the "
+        "first N steps); default: 0, none",
+    )
     p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
     p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
     p.add_argument(
@@ -187,6 +198,13 @@ def main() -> int:
     from crossdistill.bench import library_versions
     from crossdistill.train.demo import DEMO
 
+    for warmup in args.kd_warmup_steps:
+        if not 0 <= warmup <= DEMO["student"]["steps"]:
+            p.error(
+                f"--kd-warmup-steps {warmup}: must lie in 0..{DEMO['student']['steps']}, "
+                "the students' steps"
+            )
+
     student_bytes = DEMO["student_bytes"] if args.student_bytes is None else args.student_bytes
     t0 = time.perf_counter()
     rows = []
@@ -205,6 +223,7 @@ def main() -> int:
                 args.teacher_steps,
                 tuple(args.kd_chunks),
                 tuple(args.ce_without_kd),
+                tuple(args.kd_warmup_steps),
             )
         )
         print(json.dumps(rows[-1]), flush=True)

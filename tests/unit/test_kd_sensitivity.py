@@ -18,3 +18,13 @@ def test_an_unknown_target_in_a_pair_is_refused_with_the_choices(tmp_path):
     assert run.returncode == 2
     assert "unknown target 'lookahead_ends'" in run.stderr and "lookahead_prefix_end" in run.stderr
     assert not any(tmp_path.iterdir())  # refused before any corpus or run was written
+
+
+def test_a_kd_warmup_past_the_students_steps_is_refused_before_anything_trains(tmp_path):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--kd-warmup-steps", "0", "251", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2
+    assert "--kd-warmup-steps 251: must lie in 0..250" in run.stderr
+    assert not any(tmp_path.iterdir())
