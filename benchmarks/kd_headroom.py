@@ -24,7 +24,6 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -162,12 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         if len(args.student_steps) > 1 and steps != scale.student_steps:
             size = f"{size} steps {steps}"
         cfg = run_config(
-            replace(spec, kd_ratio=kd) if kd else spec, data,
+            spec, data,
             args.out / f"{size.replace(' ', '')}-bytes{n}-{kind.replace(' ', '')}-seed{seed}",
             model_entry(shape, args.tokenizer, vocab),
             steps=steps, lr=scale.student_lr, seq_len=scale.seq_len,
             batch=scale.student_batch, seed=seed, teachers=[entry] if entry else None,
-            progress=False, train_file=train_files[n],
+            progress=False, train_file=train_files[n], kd_ratio=kd,
         )  # fmt: skip
         runs[(size, n, kind, seed)] = cfg
     results: dict[tuple[str, int, str], dict[int, float]] = {}

@@ -11,9 +11,11 @@ from a teacher with the student's own tokenizer? A controlled experiment on a co
    `--teacher-seeds N` trains each N times, from seeds 0 to N-1.
 3. Students of one architecture, steps and data order, for every seed: CE only, same-tokenizer
    KD, and cross-tokenizer KD for every teacher tokenizer, `--loss` and `--target`; each KD
-   student under each teacher seed. With `--teacher-cache` (the gpu scale's default) each
-   teacher is first run once over the students' and the held-out text into a cache
-   (OUT/caches), and its KD students read their targets from it instead of running it.
+   student under each teacher seed and each `--kd-ratio` (a cross cell's gap closed is then
+   against the same-tokenizer students of its own weight). With `--teacher-cache` (the gpu
+   scale's default) each teacher is first run once over the students' and the held-out text
+   into a cache (OUT/caches), and its KD students read their targets from it instead of
+   running it.
 4. Held-out bits per byte (mean ± standard deviation over seeds) and the gap closed,
    (CE only − cross KD) / (CE only − same-tokenizer KD), per seed, then mean ± std, and from
    the means with a bootstrap interval. With several teacher seeds these run over every
@@ -108,6 +110,7 @@ def run_config(
     train_file: Path | None = None,
     ce_without_kd: str = TrainConfig.ce_without_kd,
     kd_warmup_steps: int = TrainConfig.kd_warmup_steps,
+    kd_ratio: float = TrainConfig.kd_ratio,
 ) -> Config:
     """One training run; `train_file` (default: all of the training text) is what it reads."""
     s = spec.scale
@@ -126,7 +129,7 @@ def run_config(
         "train": {
             "steps": steps,
             "grad_accum": accum,
-            "kd_ratio": spec.kd_ratio if teachers else 0.0,
+            "kd_ratio": kd_ratio if teachers else 0.0,
             "ce_without_kd": ce_without_kd,
             "kd_warmup_steps": kd_warmup_steps,
             "seed": seed,
@@ -308,12 +311,18 @@ class Experiment:
             while label in self.labels.values() or label == self.same_label:
                 label += "'"
             self.labels[path] = label
-        self.cells = [Cell("ce"), Cell("same", self.same_label, SAME_LOSS)]
+        self.cells = [Cell("ce")]
+        reference = spec.kd_ratios[0]
+        for ratio in spec.kd_ratios:
+            # the reference weight's cells keep their plain names, so a run at one weight reuses
+            # the students of an earlier run
+            weight = "" if ratio == reference else f"-kd{ratio:g}"
+            self.cells.append(Cell(f"same{weight}", self.same_label, SAME_LOSS, kd_ratio=ratio))
         for label in self.labels.values():
             for loss, target in cell_settings(spec.losses, spec.targets):
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
-                for chunks, ce, warmup in itertools.product(
-                    spec.kd_chunks, spec.ce_without_kd, spec.kd_warmup_steps
+                for ratio, chunks, ce, warmup in itertools.product(
+                    spec.kd_ratios, spec.kd_chunks, spec.ce_without_kd, spec.kd_warmup_steps
                 ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
@@ -322,7 +331,11 @@ class Experiment:
                         name += f"-ce_{ce}"
                     if warmup != TrainConfig.kd_warmup_steps:
                         name += f"-kd_warmup{warmup}"
-                    self.cells.append(Cell(name, label, loss, target, chunks, ce, warmup))
+                    if ratio != reference:
+                        name += f"-kd{ratio:g}"
+                    self.cells.append(
+                        Cell(name, label, loss, target, chunks, ce, warmup, kd_ratio=ratio)
+                    )
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
         self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
         self.teacher_paths: dict[tuple[str, int], Path] = {}  # (label, teacher seed) -> model
@@ -474,6 +487,8 @@ class Experiment:
         s, spec = self.spec.scale, self.spec
         entry = self._teacher_entry(label, teacher_seed, SAME_LOSS, TeacherConfig.target)
         student = model_entry(s.student, spec.student_tokenizer, self.vocab[spec.student_tokenizer])
+        # at the default KD weight whatever the students' weights: the cache holds the teacher's
+        # top-k, which no weight changes, so students of every `--kd-ratio` share one build
         probe = run_config(
             spec, self.data, self.out, student, steps=1, lr=s.student_lr,
             seq_len=self.teacher_info[label]["seq_len"], batch=s.student_batch,
@@ -522,6 +537,7 @@ class Experiment:
             seq_len=s.seq_len, batch=s.student_batch, seed=seed, teachers=teachers,
             progress=False, train_file=student_train_file(self.data, s),
             ce_without_kd=cell.ce_without_kd, kd_warmup_steps=cell.kd_warmup_steps,
+            kd_ratio=cell.kd_ratio,
         )  # fmt: skip
 
         cross = cell.teacher not in (None, self.same_label)
@@ -573,7 +589,7 @@ class Experiment:
             "kd_chunks": self.spec.kd_chunks,
             "ce_without_kd": self.spec.ce_without_kd,
             "kd_warmup_steps": self.spec.kd_warmup_steps,
-            "kd_ratio": self.spec.kd_ratio,
+            "kd_ratios": self.spec.kd_ratios,
             "top_k": self.spec.top_k,
             "temperature": self.spec.temperature,
             "student_tokenizer": self.spec.student_tokenizer,

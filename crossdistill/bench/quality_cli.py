@@ -103,7 +103,17 @@ def add_parser(subparsers) -> None:
         f"{TrainConfig.kd_warmup_steps}: none): the KD weight rises linearly to --kd-ratio over "
         "the students' first N steps; each cross cell runs under each",
     )
-    p.add_argument("--kd-ratio", type=float, default=0.5)
+    p.add_argument(
+        "--kd-ratio",
+        action="append",
+        type=float,
+        default=None,
+        metavar="W",
+        help=f"the KD students' train.kd_ratio (repeatable; default {TrainConfig.kd_ratio}): the "
+        "same-tokenizer and every cross cell run under each, beside the same teachers and CE-only "
+        "students, and each cross cell's gap closed is against the same-tokenizer cell of its "
+        "weight; the first is the reference",
+    )
     p.add_argument("--top-k", type=int, default=TeacherConfig.top_k)
     p.add_argument("--temperature", type=float, default=TeacherConfig.temperature)
     p.add_argument("--teacher-steps", type=int, default=None, help="override the scale's")
@@ -219,7 +229,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
-        kd_ratio=args.kd_ratio,
+        kd_ratios=list(dict.fromkeys(args.kd_ratio or [TrainConfig.kd_ratio])),
         top_k=args.top_k,
         temperature=args.temperature,
         max_teacher_spread=args.max_teacher_spread,

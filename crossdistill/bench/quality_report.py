@@ -16,8 +16,9 @@ from crossdistill.config import TeacherConfig, TrainConfig
 
 @dataclass
 class Cell:
-    """One kind of student run: its name, the teacher it learns from (None: CE only), its loss
-    and the projected losses' target."""
+    """One kind of student run: its name, the teacher it learns from (None: CE only; the
+    student's own tokenizer: a same-tokenizer cell), its loss, the projected losses' target and
+    its KD weight."""
 
     name: str
     teacher: str | None = None  # a tokenizer label
@@ -26,6 +27,7 @@ class Cell:
     kd_chunks: str = TeacherConfig.kd_chunks
     ce_without_kd: str = TrainConfig.ce_without_kd
     kd_warmup_steps: int = TrainConfig.kd_warmup_steps
+    kd_ratio: float = TrainConfig.kd_ratio
 
 
 def summarize(
@@ -50,7 +52,11 @@ def summarize(
 
     `warnings` (lines) when a comparison is made but says less than it seems: same-tokenizer
     KD gains less than `min_same_gain` over CE only (paired over seeds, `same_kd.change_vs_ce`),
-    so the students' seed-to-seed noise weighs on every gap closed."""
+    so the students' seed-to-seed noise weighs on every gap closed.
+
+    Under several KD weights each cross cell's gap closed is against the same-tokenizer cell of
+    its own weight (`same_kd_by_kd_ratio`); the cell named `same` is the reference (`same_kd`),
+    which refuses everything when it fails, where another weight's refuses only its own cells."""
     ce = runs.get("ce", {})
     # a KD run's key is its student seed, or (teacher seed, student seed) when the teachers were
     # trained from several seeds; both read as (teacher seed, student seed) from here on
@@ -61,6 +67,8 @@ def summarize(
         for name, r in runs.items()
     }
     same = runs.get("same", {})
+    reference = next((c.kd_ratio for c in cells if c.name == "same"), TrainConfig.kd_ratio)
+    same_cells = {c.kd_ratio: c.name for c in cells if c.teacher == same_label}
     kd_keys = {k for name, r in runs.items() if name != "ce" for k in r}
     ce_of = {k: ce[k[1]] for k in kd_keys if k[1] in ce}  # each KD run's CE-only student
     several = len({k[0] for k in kd_keys}) > 1
@@ -69,13 +77,14 @@ def summarize(
         "same_tokenizer": same_label,
         "ce_only": _stats(ce),
         "same_kd": _stats(same),
+        "kd_ratio": reference,
         "cross": [],
         "default_loss": TeacherConfig.loss,
         "refused": None,
         "warnings": [],
     }
     report["same_kd"]["change_vs_ce"] = _change(same, ce_of)
-    ce_mean, same_mean = report["ce_only"]["mean"], report["same_kd"]["mean"]
+    ce_mean = report["ce_only"]["mean"]
 
     def teacher_problem(name: str) -> str | None:
         value = teachers[name]
@@ -116,24 +125,21 @@ def summarize(
         )
     elif same_label in teachers and teacher_problem(same_label):
         report["refused"] = teacher_problem(same_label)
-    elif len(same) >= 2 and len(ce) >= 2 and same_mean >= ce_mean:
-        report["refused"] = (
-            f"same-tokenizer KD ({same_mean:.4f} bits per byte) is not better than CE only "
-            f"({ce_mean:.4f}), so there is no gap to close; use stronger teachers or a higher "
-            "--kd-ratio"
-        )
-    elif losing := [k for k in sorted(same) if k in ce_of and same[k] >= ce_of[k]]:
-        report["refused"] = (
-            f"same-tokenizer KD is not better than CE only on {len(losing)} of {len(same)} "
-            f"runs ({_seed_name(losing[0], several)}: {same[losing[0]]:.4f} vs "
-            f"{ce_of[losing[0]]:.4f} bits per byte): the gap to close is within the run-to-run "
-            "noise; lower the student's learning rate (--student-lr), train longer "
-            "(--student-steps) or use stronger teachers"
-        )
+    else:
+        report["refused"] = _same_kd_problem(same, ce, ce_of, several, "")
+    if len(same_cells) > 1:
+        report["same_kd_by_kd_ratio"] = {}
+        for ratio, name in same_cells.items():
+            stats = _stats(runs.get(name, {}))
+            stats["change_vs_ce"] = _change(runs.get(name, {}), ce_of)
+            report["same_kd_by_kd_ratio"][f"{ratio:g}"] = stats
     for cell in cells:
-        if cell.teacher is None or cell.name == "same" or cell.name not in runs:
+        if cell.teacher in (None, same_label) or cell.name not in runs:
             continue
         cross = runs[cell.name]
+        # the same-tokenizer students of this cell's KD weight
+        peer = runs.get(same_cells.get(cell.kd_ratio, "same"), {})
+        weight = f" at KD weight {cell.kd_ratio:g}" if cell.kd_ratio != reference else ""
         entry: dict[str, Any] = {
             "tokenizer": cell.teacher,
             "loss": cell.loss,
@@ -141,25 +147,28 @@ def summarize(
             "kd_chunks": cell.kd_chunks,
             "ce_without_kd": cell.ce_without_kd,
             "kd_warmup_steps": cell.kd_warmup_steps,
+            "kd_ratio": cell.kd_ratio,
             "cell": cell.name,
             "bpb": _stats(cross),
             "beats_ce_every_seed": bool(cross)
             and all(k in ce_of and v < ce_of[k] for k, v in cross.items()),
             "seeds": sorted({k[1] for k in cross}),
             "teacher_seeds": sorted({k[0] for k in cross}),
-            "refused": report["refused"] or teacher_problem(cell.teacher),
+            "refused": report["refused"]
+            or teacher_problem(cell.teacher)
+            or (_same_kd_problem(peer, ce, ce_of, several, weight) if weight else None),
         }
-        paired = sorted(k for k in cross if k in ce_of and k in same)
+        paired = sorted(k for k in cross if k in ce_of and k in peer)
         if (
             entry["refused"] is None
             and len(paired) >= 2
-            and all(ce_of[k] != same[k] for k in paired)
+            and all(ce_of[k] != peer[k] for k in paired)
         ):
-            closed = {k: (ce_of[k] - cross[k]) / (ce_of[k] - same[k]) for k in paired}
+            closed = {k: (ce_of[k] - cross[k]) / (ce_of[k] - peer[k]) for k in paired}
             entry["gap_closed"] = _stats(closed)
             values = [
                 [ce_of[k] for k in paired],
-                [same[k] for k in paired],
+                [peer[k] for k in paired],
                 [cross[k] for k in paired],
             ]
             entry["gap_closed_of_means"] = gap_of_means(*values, keys=paired)
@@ -171,8 +180,8 @@ def summarize(
                     for t in entry["teacher_seeds"]
                 }
         entry["change_vs_ce"] = _change(cross, ce_of)
-        # against the first cell asked for with the same teacher and loss (its first target and
-        # kd_chunks), seed by seed
+        # against the first cell asked for with the same teacher and loss (its first target,
+        # kd_chunks and KD weight), seed by seed
         first = next(
             e
             for e in report["cross"] + [entry]
@@ -202,6 +211,35 @@ def summarize(
 
 # seeds resampled with replacement for the interval of the gap closed from the means
 BOOTSTRAP_RESAMPLES = 4000
+
+
+def _same_kd_problem(
+    same: dict[Any, float],
+    ce: dict[int, float],
+    ce_of: dict[Any, float],
+    several: bool,
+    weight: str,
+) -> str | None:
+    """Why the same-tokenizer cell `same` (at `weight`, in words; "" for the reference) leaves
+    no gap to close: not better than CE only on average, or on one run (its gap closed would
+    divide by noise). None when it does."""
+    if len(same) >= 2 and len(ce) >= 2:
+        same_mean, ce_mean = statistics.fmean(same.values()), statistics.fmean(ce.values())
+        if same_mean >= ce_mean:
+            return (
+                f"same-tokenizer KD{weight} ({same_mean:.4f} bits per byte) is not better than "
+                f"CE only ({ce_mean:.4f}), so there is no gap to close; use stronger teachers or "
+                "a higher --kd-ratio"
+            )
+    if losing := [k for k in sorted(same) if k in ce_of and same[k] >= ce_of[k]]:
+        return (
+            f"same-tokenizer KD{weight} is not better than CE only on {len(losing)} of "
+            f"{len(same)} runs ({_seed_name(losing[0], several)}: {same[losing[0]]:.4f} vs "
+            f"{ce_of[losing[0]]:.4f} bits per byte): the gap to close is within the run-to-run "
+            "noise; lower the student's learning rate (--student-lr), train longer "
+            "(--student-steps) or use stronger teachers"
+        )
+    return None
 
 
 def gap_of_means(
@@ -294,8 +332,13 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
         print("  (the KD students read each teacher's top-k from its cache)", file=file)
     print("\nstudents, held-out bits per byte (mean ± std over seeds):", file=file)
     print(f"  {'CE only':40s} {pm(report['ce_only'])}", file=file)
+    reference = report.get("kd_ratio", TrainConfig.kd_ratio)
     print(f"  {'same-tokenizer KD':40s} {pm(report['same_kd'])}", file=file)
     _print_change(report["same_kd"].get("change_vs_ce"), "CE only", file)
+    for ratio, stats in report.get("same_kd_by_kd_ratio", {}).items():
+        if float(ratio) != reference:
+            print(f"  {'same-tokenizer KD kd_ratio ' + ratio:40s} {pm(stats)}", file=file)
+            _print_change(stats.get("change_vs_ce"), "CE only", file)
     for entry in report["cross"]:
         label = f"cross KD {entry['tokenizer']} {entry['loss']}"
         if entry["target"] != TeacherConfig.target:
@@ -308,6 +351,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" ce_without_kd {entry['ce_without_kd']}"
         if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):
             label += f" kd_warmup_steps {entry['kd_warmup_steps']}"
+        if entry.get("kd_ratio", reference) != reference:
+            label += f" kd_ratio {entry['kd_ratio']:g}"
         gap = entry.get("gap_closed")
         gap_text = f"   gap closed {gap['mean']:.0%} ± {gap['std']:.0%}" if gap else ""
         means = entry.get("gap_closed_of_means")
@@ -359,6 +404,11 @@ def plot_report(out: Path, report: dict[str, Any], cells: list[Cell]) -> Path | 
     curves, bars = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
     names, means, stds = [], [], []
     stats_of = {"ce": report["ce_only"], "same": report["same_kd"]}
+    for cell in cells:
+        if cell.teacher == report["same_tokenizer"] and cell.name != "same":  # another weight's
+            weight = report.get("same_kd_by_kd_ratio", {}).get(f"{cell.kd_ratio:g}")
+            if weight:
+                stats_of[cell.name] = weight
     for entry in report["cross"]:
         stats_of[entry["cell"]] = entry["bpb"]
     for i, cell in enumerate(cells):

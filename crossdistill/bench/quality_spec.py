@@ -228,7 +228,9 @@ class QualitySpec:
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
     kd_warmup_steps: list[int] = field(default_factory=lambda: [TrainConfig.kd_warmup_steps])
-    kd_ratio: float = 0.5
+    # the KD students' `train.kd_ratio`: the same-tokenizer and every cross cell run under each;
+    # the first is the reference, whose same-tokenizer cell is the report's `same_kd`
+    kd_ratios: list[float] = field(default_factory=lambda: [TrainConfig.kd_ratio])
     top_k: int = TeacherConfig.top_k
     temperature: float = TeacherConfig.temperature
     max_teacher_spread: float = 0.03
@@ -277,8 +279,11 @@ class QualitySpec:
                     f"--kd-warmup-steps {steps}: give 0 (no warm-up) up to the students' "
                     f"{self.scale.student_steps} steps"
                 )
-        if not 0.0 < self.kd_ratio <= 1.0:
-            raise UserError(f"--kd-ratio must be in (0, 1], got {self.kd_ratio}")
+        if not self.kd_ratios:
+            raise UserError("give at least one --kd-ratio (0.5 is the default)")
+        for ratio in self.kd_ratios:
+            if not 0.0 < ratio <= 1.0:
+                raise UserError(f"--kd-ratio must be in (0, 1], got {ratio}")
         if self.jobs < 1:
             raise UserError(f"--jobs must be at least 1, got {self.jobs}")
         if self.max_teacher_spread < 0:

@@ -276,7 +276,8 @@ def test_settings_are_checked_once_with_the_fix_named(tmp_path, tokenizer_dir):
         (dict(teacher_tokenizers=[llama3]), "is the student's tokenizer"),
         (dict(teacher_tokenizers=[]), "--teacher-tokenizer"),
         (dict(losses=["nope"]), "unknown --loss 'nope'"),
-        (dict(kd_ratio=0.0), "--kd-ratio"),
+        (dict(kd_ratios=[0.5, 0.0]), "--kd-ratio must be in .0, 1., got 0.0"),
+        (dict(kd_ratios=[]), "give at least one --kd-ratio"),
         (dict(corpora=[str(tmp_path / "missing.jsonl")]), "does not exist"),
     ]
     for change, message in bad:
@@ -1006,3 +1007,66 @@ def test_kd_warmup_cells_reach_the_student_runs_and_the_table(tmp_path, tokenize
         replace(spec, kd_warmup_steps=[13]).check()
     with pytest.raises(UserError, match="--kd-warmup-steps -1"):
         replace(spec, kd_warmup_steps=[-1]).check()
+
+
+def test_kd_ratio_cells_pair_each_weight_with_its_own_same_tokenizer_cell(tmp_path, tokenizer_dir):
+    """`--kd-ratio 0.5 --kd-ratio 0.3`: the same-tokenizer and the cross cell run under each
+    weight, the first's under their plain names; each cross cell's gap closed divides by the
+    same-tokenizer gain of its own weight (by hand below), and a weight whose same-tokenizer
+    students lose to CE only refuses its own cells alone. The teacher's cache does not depend
+    on the students' weight, so every weight reads one build."""
+    spec, exp, student = _quick_cells(
+        tmp_path, tokenizer_dir, "--kd-ratio", "0.5", "--kd-ratio", "0.3", "--kd-ratio", "0.5"
+    )
+    assert spec.kd_ratios == [0.5, 0.3]
+    base = "cross-llama2-forward_kl-first_piece"
+    names = [cell.name for cell in exp.cells]
+    assert names == ["ce", "same", "same-kd0.3", base, f"{base}-kd0.3"]
+    runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
+    assert runs["ce"].train.kd_ratio == 0.0
+    assert runs["same"].train.kd_ratio == runs[base].train.kd_ratio == 0.5
+    assert runs["same-kd0.3"].train.kd_ratio == runs[f"{base}-kd0.3"].train.kd_ratio == 0.3
+    assert runs["same-kd0.3"].teachers[0].path == runs["same"].teachers[0].path
+
+    fake = {"ce": {0: 2.1, 1: 2.2}, "same": {0: 1.9, 1: 2.0}, "same-kd0.3": {0: 2.0, 1: 2.05},
+            base: {0: 2.0, 1: 2.1}, f"{base}-kd0.3": {0: 2.05, 1: 2.1}}  # fmt: skip
+    report = summarize({"gpt2": 1.0, "llama2": 1.0}, fake, exp.cells, "gpt2", spec)
+    assert report["refused"] is None and report["kd_ratio"] == 0.5
+    assert report["same_kd"]["runs"] == [1.9, 2.0]
+    by_weight = report["same_kd_by_kd_ratio"]
+    assert sorted(by_weight) == ["0.3", "0.5"] and by_weight["0.3"]["runs"] == [2.0, 2.05]
+    assert by_weight["0.3"]["change_vs_ce"]["runs"] == pytest.approx(
+        [2.0 / 2.1 - 1, 2.05 / 2.2 - 1]
+    )
+    first, low = report["cross"]
+    assert first["kd_ratio"] == 0.5 and low["kd_ratio"] == 0.3
+    assert first["gap_closed"]["runs"] == pytest.approx([0.1 / 0.2, 0.1 / 0.2], abs=1e-12)
+    # against its own weight's same-tokenizer students: (2.1 − 2.05) / (2.1 − 2.0), 0.1 / 0.15
+    assert low["gap_closed"]["runs"] == pytest.approx([0.5, 0.1 / 0.15], abs=1e-12)
+    assert low["change_vs_target"]["cell"] == base
+    buffer = io.StringIO()
+    print_table(report, file=buffer)
+    table = buffer.getvalue()
+    assert "same-tokenizer KD kd_ratio 0.3" in table
+    assert "cross KD llama2 forward_kl first_piece kd_ratio 0.3" in table
+
+    # the weaker weight's same-tokenizer students lose on seed 1: its cells alone are refused
+    fake["same-kd0.3"] = {0: 2.0, 1: 2.25}
+    report = summarize({"gpt2": 1.0, "llama2": 1.0}, fake, exp.cells, "gpt2", spec)
+    first, low = report["cross"]
+    assert report["refused"] is None and first["refused"] is None and "gap_closed" in first
+    assert "gap_closed" not in low
+    assert low["refused"].startswith("same-tokenizer KD at KD weight 0.3 is not better than CE")
+
+    # one cache build for every weight: the build's folder does not change with the weights
+    # asked for, and the students of both weights read it
+    weights = tmp_path / "teacher"  # what the build's folder name reads of a checkpoint
+    weights.mkdir()
+    (weights / "model.safetensors").write_bytes(b"weights")
+    exp.teacher_paths[("llama2", 0)] = weights
+    exp.teacher_info["llama2"] = {"seq_len": spec.scale.seq_len}
+    folder = exp.cache_job("llama2", 0).cfg.run.out_dir
+    exp.spec, exp.cache_paths = replace(spec, kd_ratios=[0.3]), {}
+    assert exp.cache_job("llama2", 0).cfg.run.out_dir == folder
+    caches = {exp.student_job(c, student, seed=0).cfg.teachers[0].cache for c in exp.cells[3:]}
+    assert caches == {folder}
