@@ -197,15 +197,20 @@ def summarize(
     pairs = [label for label in teachers if label != same_label]
     if report["refused"] is None and pairs and all(teacher_problem(p) for p in pairs):
         report["refused"] = teacher_problem(pairs[0])
-    gain = report["same_kd"]["change_vs_ce"]
-    if report["refused"] is None and gain["n"] >= 2 and -gain["mean"] < spec.min_same_gain:
-        report["warnings"].append(
-            f"same-tokenizer KD gains {-gain['mean']:.1%} over CE only, under "
-            f"{spec.min_same_gain:.0%} (--min-same-gain): with a gap this small the students' "
-            "seed-to-seed noise weighs on every gap closed; read the gap closed from the means "
-            "and its interval, or give the teacher more to add (--student-bytes: the students "
-            "on less text; --teacher-steps)"
-        )
+    gains = [("", report["same_kd"]["change_vs_ce"])] + [
+        (f" at KD weight {ratio}", stats["change_vs_ce"])
+        for ratio, stats in report.get("same_kd_by_kd_ratio", {}).items()
+        if float(ratio) != reference
+    ]
+    for weight, gain in gains:
+        if report["refused"] is None and gain["n"] >= 2 and -gain["mean"] < spec.min_same_gain:
+            report["warnings"].append(
+                f"same-tokenizer KD{weight} gains {-gain['mean']:.1%} over CE only, under "
+                f"{spec.min_same_gain:.0%} (--min-same-gain): with a gap this small the "
+                "students' seed-to-seed noise weighs on every gap closed; read the gap closed "
+                "from the means and its interval, or give the teacher more to add "
+                "(--student-bytes: the students on less text; --teacher-steps)"
+            )
     return report
 
 
