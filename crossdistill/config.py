@@ -45,6 +45,7 @@ Target = Literal[
     "lookahead_prefix_end",
     "lookahead_longer",
     "lookahead_mix",
+    "lookahead_split",
 ]
 TARGETS: tuple[str, ...] = get_args(Target)
 Dtype = Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "float64"]
@@ -154,7 +155,10 @@ class TeacherConfig(ModelConfig):
     # several teacher tokens and "lookahead" at the others (kept to compare with; it did not
     # beat "lookahead_prefix_end");
     # "lookahead_mix" is half "lookahead_end" and half "lookahead_prefix_end": both divergences
-    # from one teacher pass, each at half the teacher's weight
+    # from one teacher pass, each at half the teacher's weight;
+    # "lookahead_split" is "lookahead_prefix_end" with each of the teacher's other tokens split
+    # between the student token spelling it and the longer ones that start with it, by how
+    # often the training text has each (counted at load on a sample of it)
     target: Target = "auto"
     # the chunks that get a KD term: "all", or "single_side": none at a chunk of several tokens
     # on both sides, where the student's first token ends inside a teacher token and no

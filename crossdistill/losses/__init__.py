@@ -11,7 +11,8 @@
 - Projected targets (`projection.py`, `lookahead.py`): first piece, context, byte prefix,
   lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
   other tokens, both of those, both only where the student's token is the longer one, and the
-  two past the end at half weight each (`teachers.N.target`).
+  two past the end at half weight each, and the split between them counted on the text
+  (`teachers.N.target`).
 - `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
   its PyTorch reference), the second for targets with token-group buckets.
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
@@ -36,6 +37,7 @@ from crossdistill.losses.lookahead import (
     LOOKAHEAD_TARGETS,
     MIX_TARGETS,
     PREFIX_TARGETS,
+    SPLIT_TARGETS,
     reads_past_end,
     target_depth,
 )
@@ -63,6 +65,7 @@ __all__ = [
     "LOOKAHEAD_TARGETS",
     "MIX_TARGETS",
     "PREFIX_TARGETS",
+    "SPLIT_TARGETS",
     "LOSSES",
     "Buckets",
     "Joins",

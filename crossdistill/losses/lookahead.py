@@ -60,6 +60,19 @@ x's group, where the student keeps its own split. At half weight each, the stude
 that mass between x and the longer tokens that start with it settles between the two. On the far pair `lookahead_end` closed more of the one-to-one chunks and
 `lookahead_prefix_end` more of the longer ones, and both at once (as two teacher terms) did
 better in total than either (`benchmarks/README.md`, "Both targets at once").
+
+`lookahead_split` is `lookahead_prefix_end` with the split set from the text instead of left to
+the student. An alternative x ≠ `t_0` with an exact student token `e(x)` gives `π_x·p(x)` to
+`e(x)` and `(1 − π_x)·p(x)` to the group of the student's longer tokens that start with x
+(`e(x)` left out). `π_x` is how often, where the training text has the teacher token x at a
+boundary of both tokenizations, the student's token there is `e(x)` rather than a longer one of
+x's group (`train.short_share`, counted at load, each token's count drawn toward the share over
+all tokens where it is seen little). `lookahead_end` is the split at `π = 1` everywhere and
+`lookahead_prefix_end` lets the student set it; on the far pair the first closed more of the
+one-to-one chunks and the second more of the longer ones, and no fixed mix of the two was better
+on every corpus (`benchmarks/README.md`, "`lookahead_mix` where the bench accepts the far
+pair"). An x whose exact token starts no longer student token has no group and goes whole to
+`e(x)`; one without an exact token goes whole to its group.
 """
 
 from __future__ import annotations
@@ -94,6 +107,7 @@ LOOKAHEAD_TARGETS = (
     "lookahead_prefix_end",
     "lookahead_longer",
     "lookahead_mix",
+    "lookahead_split",
 )
 # Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
 # over its whole vocabulary, so a vocabulary split does not take them (the fused pass does, with
@@ -104,14 +118,24 @@ PREFIX_TARGETS = (
     "lookahead_prefix_end",
     "lookahead_longer",
     "lookahead_mix",
+    "lookahead_split",
 )
 # Targets that read the teacher's row after each student token's end.
-PAST_END_TARGETS = ("lookahead_end", "lookahead_prefix_end", "lookahead_longer", "lookahead_mix")
+PAST_END_TARGETS = (
+    "lookahead_end",
+    "lookahead_prefix_end",
+    "lookahead_longer",
+    "lookahead_mix",
+    "lookahead_split",
+)
 # Targets whose groups and step past the end apply only at chunks of one student token over
 # several teacher tokens.
 LONGER_ONLY_TARGETS = ("lookahead_longer",)
 # Targets that are two divergences at half weight each: without the groups and with them.
 MIX_TARGETS = ("lookahead_mix",)
+# Targets whose groups leave out each teacher token's exact student token, which takes a share
+# of the token's mass counted on the training text (`PrefixGroups.short_logshare`).
+SPLIT_TARGETS = ("lookahead_split",)
 
 
 def target_depth(target: str, same_as_student: bool) -> int:
@@ -195,14 +219,19 @@ def project_lookahead(
     hit0 = (ids[:, 0] == obs[:, :1]) & start.unsqueeze(-1)
     expand = hit0.any(-1)
     cont0 = dataclasses.replace(continuation, active=continuation.active & ~expand)
-    grouped, drop = None, hit0
+    grouped, drop, short = None, hit0, ([], [])
     if groups is not None:
         grouped, alt = _alternatives(ids[:, 0], lp[:, 0], obs[:, :1], groups, only)
         drop = hit0 | alt
+        if groups.short_logshare is not None:  # lookahead_split
+            grouped, short_ids, short_logq = _split_off_short(
+                ids[:, 0], alt, grouped, projection, groups
+            )
+            short = ([short_ids], [short_logq])
     flat, flat_logq, tail = topk_entries(
         ids[:, 0], lp[:, 0], tail_logprob[:, 0], projection, cont0, drop=drop
     )
-    entries, values = [flat], [flat_logq]
+    entries, values = [flat, *short[0]], [flat_logq, *short[1]]
     mass = torch.where(expand, torch.where(hit0, lp[:, 0], NEG_INF).logsumexp(-1), NEG_INF)
     ending = torch.where(expand & (length == 1), mass, NEG_INF)  # at the token's end
     live = expand & (length > 1)
@@ -257,6 +286,29 @@ def _alternatives(
     if only is not None:
         alt = alt & only.unsqueeze(-1)
     return (torch.where(alt, event, -1), torch.where(alt, lp, NEG_INF)), alt
+
+
+def _split_off_short(
+    ids: Tensor,
+    alt: Tensor,
+    grouped: tuple[Tensor, Tensor],
+    projection: VocabProjection,
+    groups: PrefixGroups,
+) -> tuple[tuple[Tensor, Tensor], Tensor, Tensor]:
+    """`lookahead_split`: of each alternative's mass (`grouped`: its event and log-probability,
+    at the entries `alt [C, K]`), the share `groups.short_logshare` of its teacher id goes to
+    the student token spelling it exactly, the rest stays with its group. Returns the groups'
+    (events, −1 where no mass is left; log-probabilities), the exact tokens `[C, K]` and their
+    log-probabilities (−1 and −inf where an alternative has none)."""
+    event, logq = grouped
+    x = ids.long().clamp(min=0)
+    exact = alt & projection.exact[x]
+    share = groups.short_logshare.to(logq.dtype)[x]
+    to_short = torch.where(exact, logq + share, NEG_INF)
+    to_group = torch.where(exact, logq + _log1m_exp(share), logq)
+    event = torch.where(to_group > NEG_INF, event, -1)
+    short_ids = torch.where(to_short > NEG_INF, projection.first_piece[x], -1)
+    return (event, to_group), short_ids, to_short
 
 
 def _with_groups(

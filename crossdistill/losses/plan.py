@@ -54,7 +54,9 @@ class KDTerm:
     position's alternatives in their groups. `longer_only` (`lookahead_longer`): the groups and
     the rows past the end apply only at chunks of one student token over several teacher
     tokens. `mix` (`lookahead_mix`): a lookahead term whose projection has prefix groups is two
-    divergences at half weight each, one without the groups and one with them."""
+    divergences at half weight each, one without the groups and one with them. Groups with a
+    `short_logshare` (`lookahead_split`) give that share of each alternative to its exact
+    student token."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -86,6 +88,8 @@ class KDTerm:
             return "lookahead_longer"
         if self.mix and self.projection.groups is not None:
             return "lookahead_mix"
+        if self.projection.groups is not None and self.projection.groups.short_logshare is not None:
+            return "lookahead_split"
         name = "lookahead_prefix" if self.projection.groups is not None else "lookahead"
         return f"{name}_end" if self.past_end else name
 

@@ -16,7 +16,7 @@ group of student tokens; the student's probability of it is the group's total.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -184,6 +184,11 @@ class PrefixGroups:
     student_event: Tensor
     teacher_event: VocabProjection
     num_events: int
+    # `lookahead_split`: per teacher id `[V_t]`, the log of the share of its mass, as an
+    # alternative at a KD position, that goes to its exact student token (the rest goes to its
+    # group, which then leaves that token out: `split_from_first_pieces`); None: the group takes
+    # all of it
+    short_logshare: Tensor | None = None
 
     @classmethod
     def from_first_pieces(
@@ -207,9 +212,34 @@ class PrefixGroups:
             num_events,
         )
 
+    @classmethod
+    def split_from_first_pieces(
+        cls,
+        teacher_of_student: Tensor,
+        student_of_teacher: Tensor,
+        exact: Tensor,
+        short_share: Tensor,
+    ) -> PrefixGroups:
+        """The groups of `lookahead_split`: as `from_first_pieces`, less every student token
+        that spells a teacher token exactly (`exact [V_t]` marks the teacher ids whose first
+        student piece does), which is a bucket of its own. `short_share [V_t]` in [0, 1]: the
+        share of a teacher token's mass that its exact student token takes."""
+        first = student_of_teacher.long()
+        spelled = torch.where(exact.bool() & (first >= 0), first, -1)
+        g = teacher_of_student.long().clone()
+        marks = torch.zeros(g.shape[0] + 1, dtype=torch.bool, device=g.device)
+        marks[torch.where(spelled >= 0, spelled, g.shape[0]).clamp(max=g.shape[0])] = True
+        g[marks[: g.shape[0]]] = -1
+        groups = cls.from_first_pieces(g, student_of_teacher)
+        share = short_share.to(torch.float64).clamp(0.0, 1.0)
+        return replace(groups, short_logshare=share.log())
+
     def to(self, device: torch.device | str) -> PrefixGroups:
         return PrefixGroups(
-            self.student_event.to(device), self.teacher_event.to(device), self.num_events
+            self.student_event.to(device),
+            self.teacher_event.to(device),
+            self.num_events,
+            None if self.short_logshare is None else self.short_logshare.to(device),
         )
 
 

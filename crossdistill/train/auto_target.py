@@ -34,6 +34,7 @@ The sample is the same on every rank, so every process of a job makes the same c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -71,20 +72,30 @@ def first_piece_kinds(
     }
 
 
-def first_piece_right(tok_s: Any, tok_t: Any, texts: list[str]) -> tuple[float, int]:
-    """(share of KD positions where the first piece is right, number of KD positions) over
-    `texts`, encoded as training encodes a document."""
+def aligned_sample(
+    tok_s: Any, tok_t: Any, texts: list[str]
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per text: (student ids, teacher ids, chunks `[n, 4]`), encoded and aligned as training
+    encodes and aligns a document."""
     from crossdistill.alignment import align_batch
-    from crossdistill.alignment.projection import build_projection
     from crossdistill.data.aligned import Pipeline
     from crossdistill.data.encoders import TokenizerSide
 
     pipe = Pipeline(TokenizerSide(tok_s, fast=False), TokenizerSide(tok_t, fast=False))
-    first = build_projection(tok_t, tok_s).first_piece.numpy()
     ids_s, ids_t = pipe.encode(texts)
-    right = total = 0
     for a, s, t in zip(align_batch(ids_s, ids_t, pipe.bytes_s, pipe.bytes_t), ids_s, ids_t):
-        hits = first_piece_kinds(np.asarray(s), np.asarray(t), a.chunks, first)["right"]
+        yield np.asarray(s), np.asarray(t), a.chunks
+
+
+def first_piece_right(tok_s: Any, tok_t: Any, texts: list[str]) -> tuple[float, int]:
+    """(share of KD positions where the first piece is right, number of KD positions) over
+    `texts`, encoded as training encodes a document."""
+    from crossdistill.alignment.projection import build_projection
+
+    first = build_projection(tok_t, tok_s).first_piece.numpy()
+    right = total = 0
+    for s, t, chunks in aligned_sample(tok_s, tok_t, texts):
+        hits = first_piece_kinds(s, t, chunks, first)["right"]
         right, total = right + int(hits.sum()), total + hits.size
     return right / max(total, 1), total
 

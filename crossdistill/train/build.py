@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from crossdistill.config import Config, TeacherConfig
+from crossdistill.config import Config, DataConfig, TeacherConfig
 from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.distributed.runtime import Placement, TeacherSlot
+from crossdistill.errors import UserError
 from crossdistill.losses import (
     LOOKAHEAD_TARGETS,
     PREFIX_TARGETS,
+    SPLIT_TARGETS,
     Joins,
     PrefixGroups,
     VocabProjection,
@@ -46,12 +48,19 @@ class Components:
 
 
 def build_projection_for(
-    tcfg: TeacherConfig, tok_t, tok_s, rows_t: int, rows_s: int, device: torch.device
+    tcfg: TeacherConfig,
+    tok_t,
+    tok_s,
+    rows_t: int,
+    rows_s: int,
+    device: torch.device,
+    data: DataConfig | None = None,
 ) -> VocabProjection:
     """The teacher-to-student map over the models' embedding rows (`rows_t`, `rows_s`, which
     may exceed the tokenizers' sizes: padded vocabularies). Identity for a teacher with the
     student's tokenizer; otherwise a saved projection (refused if built for other tokenizers)
-    or one built now (seconds). Rows a tokenizer never produces map to the tail."""
+    or one built now (seconds). Rows a tokenizer never produces map to the tail. `data`: the
+    training text, which `lookahead_split` counts its shares on."""
     if tokenizer_fingerprint(tok_t) == tokenizer_fingerprint(tok_s):
         first = torch.arange(len(tok_s))
         exact = torch.ones(len(tok_s), dtype=torch.bool)
@@ -78,7 +87,13 @@ def build_projection_for(
             rows_s,
             exact=exact.to(device),
         )
-    if tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
+    if tcfg.target in SPLIT_TARGETS:
+        first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
+        share = _short_share(tok_s, tok_t, data, out, first_t)
+        out.groups = PrefixGroups.split_from_first_pieces(
+            first_t.to(device), out.first_piece, out.exact, share.to(device)
+        )
+    elif tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     if tcfg.loss == "hkl":
@@ -90,6 +105,26 @@ def build_projection_for(
         rows = torch.from_numpy(build_joins(tok_t, tok_s)).to(device)
         out.joins = Joins.from_rows(rows, rows_t, rows_s)
     return out
+
+
+def _short_share(
+    tok_s, tok_t, data: DataConfig | None, proj: VocabProjection, first_t: torch.Tensor
+) -> torch.Tensor:
+    """`lookahead_split`'s share `[rows_t]` of each teacher token's mass for its exact student
+    token (`train.short_share`), counted on a sample of the training text."""
+    from crossdistill.data.build import sample_texts
+    from crossdistill.train.auto_target import SAMPLE_BYTES
+    from crossdistill.train.short_share import boundary_counts, short_shares
+
+    if data is None:
+        raise UserError(
+            "target lookahead_split counts its shares on the training text: build the "
+            "projection with the run's data settings (build_projection_for(..., data=cfg.data))"
+        )
+    spelled = torch.where(proj.exact, proj.first_piece, -1).cpu().numpy()
+    texts = sample_texts(data, SAMPLE_BYTES)
+    short, longer = boundary_counts(tok_s, tok_t, texts, spelled, first_t.numpy())
+    return torch.from_numpy(short_shares(short, longer))
 
 
 def _padded_ids(first: torch.Tensor, rows: int, limit: int) -> torch.Tensor:
@@ -180,7 +215,7 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
     device, placement, tok_s, toks_t = env.device, run.placement, run.tok_s, run.toks_t
     rows_s = run.resolved_s.hf_config.vocab_size
     projections = [
-        build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device)
+        build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device, cfg.data)
         for t, tok, r in zip(run.teachers, toks_t, run.resolved_t)
     ]
     train_loader, val_loader = run.loaders(cfg, placement.data_rank, placement.data_size)

@@ -1,0 +1,63 @@
+"""`teachers.N.target: lookahead_split`: how a teacher token's mass splits between the student
+token that spells it exactly and the student's longer tokens that start with it, counted at load
+on the run's training text.
+
+Where the text has teacher token x at a boundary of both tokenizations, the student's token there
+is either x's exact student token `e(x)` (a chunk of one token on each side) or a longer one whose
+first teacher piece is x (one student token over several teacher tokens). `π_x` is the share of
+the first, over the same sample of the text `target: auto` reads (`auto_target.SAMPLE_BYTES`).
+A token the sample holds a few times would get a share of 0 or 1 from chance alone, so each
+count is drawn toward the share over all tokens: `PRIOR_COUNT` pseudo-boundaries at that share.
+The sample is the same on every rank, so every process builds the same target.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from crossdistill.train.auto_target import aligned_sample
+
+# pseudo-boundaries at the share over all tokens added to each token's own count: a token seen
+# this often sits halfway between its own share and the overall one
+PRIOR_COUNT = 4.0
+
+
+def boundary_counts(
+    tok_s: Any,
+    tok_t: Any,
+    texts: list[str],
+    first_piece: np.ndarray,
+    teacher_of_student: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per teacher id `[V_t]`: (boundaries where the student's token is its exact one, those
+    where it is a longer one starting with it), over `texts`. `first_piece [V_t]`: each teacher
+    id's exact student token (−1: none); `teacher_of_student [V_s]`: each student id's first
+    teacher piece (−1: none)."""
+    v_t = first_piece.shape[0]
+    short = np.zeros(v_t, dtype=np.int64)
+    longer = np.zeros(v_t, dtype=np.int64)
+    for ids_s, ids_t, chunks in aligned_sample(tok_s, tok_t, texts):
+        c = np.asarray(chunks)
+        if c.size == 0:
+            continue
+        x = ids_t[c[:, 2]]
+        s = ids_s[c[:, 0]]
+        one_s, one_t = c[:, 1] - c[:, 0] == 1, c[:, 3] - c[:, 2] == 1
+        inside = (x >= 0) & (x < v_t) & (s >= 0) & (s < teacher_of_student.shape[0])
+        x, s, one_s, one_t = x[inside], s[inside], one_s[inside], one_t[inside]
+        is_short = one_s & one_t & (first_piece[x] == s)
+        is_longer = one_s & ~one_t & (teacher_of_student[s] == x)
+        np.add.at(short, x[is_short], 1)
+        np.add.at(longer, x[is_longer], 1)
+    return short, longer
+
+
+def short_shares(short: np.ndarray, longer: np.ndarray) -> np.ndarray:
+    """`π [V_t]` from `boundary_counts`: each token's share of exact-token boundaries, drawn
+    toward the share over all tokens by `PRIOR_COUNT` boundaries (0.5 where the sample has
+    none at all)."""
+    seen = short.sum() + longer.sum()
+    overall = short.sum() / seen if seen else 0.5
+    return (short + PRIOR_COUNT * overall) / (short + longer + PRIOR_COUNT)
