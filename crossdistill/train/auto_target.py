@@ -16,7 +16,10 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   seed of two corpora. A tensor-parallel student gets the next best, `lookahead` (the prefix
   groups sum over the whole student vocabulary, which tensor parallelism splits). A teacher
   read from a cache gets the same targets as a live one: the cache holds every position's
-  top-k, and the loader reads the rows a target needs.
+  top-k, and the loader reads the rows a target needs. `lookahead_split` (the same, with each
+  other token's mass split between its exact student token and its longer ones at a share
+  counted on the text) was level with it over 20 paired seeds of two corpora, so it is not
+  chosen (benchmarks/README.md, "`lookahead_split`").
 - **Pairs between** (Qwen3 for a Llama-3 student on Perl's numbers; the demo's pair): the far
   pairs' choices. Where one student token spans several teacher tokens, the first piece gives
   the teacher's first token's mass to a shorter student token that the text does not use

@@ -42,7 +42,7 @@ def test_near_and_far_pairs_get_what_the_quality_benchmark_measured(tokenizer_di
     assert far["recommendation"]["target"] == "lookahead_prefix_end"
     assert any("far pair" in w for w in far["warnings"])
     # and names the alternative measured beside it, with the comparison to run
-    assert any("--target lookahead_mix" in w for w in far["warnings"])
+    assert any("--target lookahead_mix --target lookahead_split" in w for w in far["warnings"])
     for r in (near, far):
         assert 0 < r["one_to_one_share"] < 1
         assert abs(sum(r["first_piece"].values()) - 1) < 1e-9
