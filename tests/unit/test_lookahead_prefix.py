@@ -224,6 +224,12 @@ def test_loss_matches_plain_float64_reference(loss, tau, past_end, longer_only):
     hidden, weight, labels, term = plan_problem(
         1, loss, tau=tau, past_end=past_end, longer_only=longer_only
     )
+    check_against_plain_loss(hidden, weight, labels, term)
+
+
+def check_against_plain_loss(hidden, weight, labels, term) -> float:
+    """The chunked pass and the full-logits reference against `plain_loss` at KD weight 0.6,
+    value and gradients, on a problem with rows of both kinds of bucket; returns the value."""
     h = hidden.clone().requires_grad_(True)
     w = weight.clone().requires_grad_(True)
     want, part = plain_loss(h, w, labels, term, 0.6)
@@ -234,6 +240,7 @@ def test_loss_matches_plain_float64_reference(loss, tau, past_end, longer_only):
         got, g_h, g_w, _ = run(backend, hidden, weight, labels, [term], kd_ratio=0.6, chunk_size=4)
         assert not got.isnan() and abs(got.item() - want.item()) <= 1e-12 * abs(want.item())
         assert rel(g_h, h.grad) < 1e-10 and rel(g_w, w.grad) < 1e-10, backend
+    return want.item()
 
 
 def test_groups_change_the_loss_of_the_lookahead_target():
