@@ -87,15 +87,15 @@ def build_projection_for(
             rows_s,
             exact=exact.to(device),
         )
-    if tcfg.target in SPLIT_TARGETS:
+    if tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
-        share = _short_share(tok_s, tok_t, data, out, first_t)
-        out.groups = PrefixGroups.split_from_first_pieces(
-            first_t.to(device), out.first_piece, out.exact, share.to(device)
-        )
-    elif tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
-        first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
-        out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
+        if tcfg.target in SPLIT_TARGETS:
+            share = _short_share(tok_s, tok_t, data, out, first_t)
+            out.groups = PrefixGroups.split_from_first_pieces(
+                first_t.to(device), out.first_piece, out.exact, share.to(device)
+            )
+        else:
+            out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     if tcfg.loss == "hkl":
         matched = torch.from_numpy(relaxed_matches(tok_t, tok_s, proj))
         out.matched = _padded_ids(matched, rows_t, rows_s).to(device)
