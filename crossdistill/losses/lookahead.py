@@ -67,12 +67,14 @@ the student. An alternative x ≠ `t_0` with an exact student token `e(x)` gives
 (`e(x)` left out). `π_x` is how often, where the training text has the teacher token x at a
 boundary of both tokenizations, the student's token there is `e(x)` rather than a longer one of
 x's group (`train.short_share`, counted at load, each token's count drawn toward the share over
-all tokens where it is seen little). `lookahead_end` is the split at `π = 1` everywhere and
-`lookahead_prefix_end` lets the student set it; on the far pair the first closed more of the
+all tokens where it is seen little). `lookahead_end` gives all of x's mass to `e(x)` and
+`lookahead_prefix_end` lets the student split it; on the far pair the first closed more of the
 one-to-one chunks and the second more of the longer ones, and no fixed mix of the two was better
 on every corpus (`benchmarks/README.md`, "`lookahead_mix` where the bench accepts the far
 pair"). An x whose exact token starts no longer student token has no group and goes whole to
-`e(x)`; one without an exact token goes whole to its group.
+`e(x)`; one without an exact token goes whole to its group. Measured level with
+`lookahead_prefix_end` in total, ahead of it in the one-to-one chunks (`benchmarks/README.md`,
+"`lookahead_split`").
 """
 
 from __future__ import annotations
