@@ -227,9 +227,7 @@ class PrefixGroups:
         first = student_of_teacher.long()
         spelled = torch.where(exact.bool() & (first >= 0), first, -1)
         g = teacher_of_student.long().clone()
-        marks = torch.zeros(g.shape[0] + 1, dtype=torch.bool, device=g.device)
-        marks[torch.where(spelled >= 0, spelled, g.shape[0]).clamp(max=g.shape[0])] = True
-        g[marks[: g.shape[0]]] = -1
+        g[spelled[spelled >= 0]] = -1
         groups = cls.from_first_pieces(g, student_of_teacher)
         share = short_share.to(torch.float64).clamp(0.0, 1.0)
         return replace(groups, short_logshare=share.log())

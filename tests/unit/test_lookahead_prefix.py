@@ -41,16 +41,22 @@ NEG_INF = float("-inf")
 TOP_K_END = 16384  # a third of the harness teacher's vocabulary (GPT-2 tokenizer, 50304)
 
 
-def toy_groups(toy: Toy) -> PrefixGroups:
+def first_teacher_pieces(toy: Toy) -> torch.Tensor:
     """Each student token's first teacher piece: the longest teacher token its bytes start with."""
-    first = [
-        max(
-            (t for t, w in enumerate(toy.teacher) if s.startswith(w)),
-            key=lambda t: len(toy.teacher[t]),
-        )
-        for s in toy.student
-    ]
-    return PrefixGroups.from_first_pieces(torch.tensor(first), toy.proj.first_piece)
+    return torch.tensor(
+        [
+            max(
+                (t for t, w in enumerate(toy.teacher) if s.startswith(w)),
+                key=lambda t: len(toy.teacher[t]),
+            )
+            for s in toy.student
+        ]
+    )
+
+
+def toy_groups(toy: Toy) -> PrefixGroups:
+    """The prefix groups of `toy`: each student token in the group of its first teacher piece."""
+    return PrefixGroups.from_first_pieces(first_teacher_pieces(toy), toy.proj.first_piece)
 
 
 def grouped_reference(toy, groups, logp, k, obs, label, depth, past_end=False):

@@ -30,25 +30,13 @@ from tests.unit.test_lookahead_prefix import (
     check_against_plain_loss,
     dense,
     dense_buckets,
+    first_teacher_pieces,
     plan_problem,
 )
 from tests.unit.test_lookahead_target import TAIL, Toy, reference, stacked, toy_chunks
 from tests.unit.test_losses_student import run
 
 F64 = torch.float64
-
-
-def first_teacher_pieces(toy: Toy) -> torch.Tensor:
-    """Each student token's first teacher piece: the longest teacher token its bytes start with."""
-    return torch.tensor(
-        [
-            max(
-                (t for t, w in enumerate(toy.teacher) if s.startswith(w)),
-                key=lambda t: len(toy.teacher[t]),
-            )
-            for s in toy.student
-        ]
-    )
 
 
 def split_groups(toy: Toy, seed: int) -> PrefixGroups:
