@@ -55,12 +55,14 @@ def build_projection_for(
     rows_s: int,
     device: torch.device,
     data: DataConfig | None = None,
+    notes: list[str] | None = None,
 ) -> VocabProjection:
     """The teacher-to-student map over the models' embedding rows (`rows_t`, `rows_s`, which
     may exceed the tokenizers' sizes: padded vocabularies). Identity for a teacher with the
     student's tokenizer; otherwise a saved projection (refused if built for other tokenizers)
     or one built now (seconds). Rows a tokenizer never produces map to the tail. `data`: the
-    training text, which `lookahead_split` counts its shares on."""
+    training text, which `lookahead_split` counts its shares on; what it counted is added to
+    `notes`, the run's log lines."""
     if tokenizer_fingerprint(tok_t) == tokenizer_fingerprint(tok_s):
         first = torch.arange(len(tok_s))
         exact = torch.ones(len(tok_s), dtype=torch.bool)
@@ -90,7 +92,9 @@ def build_projection_for(
     if tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         if tcfg.target in SPLIT_TARGETS:
-            share = _short_share(tok_s, tok_t, data, out, first_t)
+            share, counted = _short_share(tcfg.name, tok_s, tok_t, data, out, first_t)
+            if notes is not None:
+                notes.append(counted)
             out.groups = PrefixGroups.split_from_first_pieces(
                 first_t.to(device), out.first_piece, out.exact, share.to(device)
             )
@@ -108,13 +112,14 @@ def build_projection_for(
 
 
 def _short_share(
-    tok_s, tok_t, data: DataConfig | None, proj: VocabProjection, first_t: torch.Tensor
-) -> torch.Tensor:
+    name: str, tok_s, tok_t, data: DataConfig | None, proj: VocabProjection, first_t: torch.Tensor
+) -> tuple[torch.Tensor, str]:
     """`lookahead_split`'s share `[rows_t]` of each teacher token's mass for its exact student
-    token (`train.short_share`), counted on a sample of the training text."""
+    token (`train.short_share`), counted on a sample of the training text, and a line saying
+    what the count saw."""
     from crossdistill.data.build import sample_texts
     from crossdistill.train.auto_target import SAMPLE_BYTES
-    from crossdistill.train.short_share import boundary_counts, short_shares
+    from crossdistill.train.short_share import boundary_counts, describe_counts, short_shares
 
     if data is None:
         raise UserError(
@@ -124,7 +129,10 @@ def _short_share(
     spelled = torch.where(proj.exact, proj.first_piece, -1).cpu().numpy()
     texts = sample_texts(data, SAMPLE_BYTES)
     short, longer = boundary_counts(tok_s, tok_t, texts, spelled, first_t.numpy())
-    return torch.from_numpy(short_shares(short, longer))
+    sampled = sum(len(t.encode()) for t in texts)
+    return torch.from_numpy(short_shares(short, longer)), describe_counts(
+        name, short, longer, sampled
+    )
 
 
 def _padded_ids(first: torch.Tensor, rows: int, limit: int) -> torch.Tensor:
@@ -215,7 +223,9 @@ def build_components(cfg: Config, env: DistEnv | None = None) -> Components:
     device, placement, tok_s, toks_t = env.device, run.placement, run.tok_s, run.toks_t
     rows_s = run.resolved_s.hf_config.vocab_size
     projections = [
-        build_projection_for(t, tok, tok_s, r.hf_config.vocab_size, rows_s, device, cfg.data)
+        build_projection_for(
+            t, tok, tok_s, r.hf_config.vocab_size, rows_s, device, cfg.data, run.notes
+        )
         for t, tok, r in zip(run.teachers, toks_t, run.resolved_t)
     ]
     train_loader, val_loader = run.loaders(cfg, placement.data_rank, placement.data_size)

@@ -61,3 +61,22 @@ def short_shares(short: np.ndarray, longer: np.ndarray) -> np.ndarray:
     seen = short.sum() + longer.sum()
     overall = short.sum() / seen if seen else 0.5
     return (short + PRIOR_COUNT * overall) / (short + longer + PRIOR_COUNT)
+
+
+def describe_counts(teacher: str, short: np.ndarray, longer: np.ndarray, sample_bytes: int) -> str:
+    """One line for the run's log: what teacher `teacher`'s shares were counted on, so that a
+    sample too small to say much shows."""
+    seen = int(short.sum() + longer.sum())
+    if seen == 0:
+        return (
+            f"warning: teacher {teacher!r}: lookahead_split found no chunk of its "
+            f"{sample_bytes:,}-byte sample of the training text that a teacher token starts, so "
+            "every token splits its mass 0.5 / 0.5 (give the run more training text, or name "
+            "another target)"
+        )
+    tokens = int(((short + longer) > 0).sum())
+    return (
+        f"teacher {teacher!r}: lookahead_split shares counted on {seen:,} chunks of "
+        f"{tokens:,} teacher tokens in a {sample_bytes:,}-byte sample of the training text; "
+        f"the student's token is the exact one in {short.sum() / seen:.0%} of them"
+    )

@@ -15,6 +15,7 @@ counted on the training text.
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -24,7 +25,12 @@ from crossdistill.config import DISTRIBUTION_LOSSES
 from crossdistill.errors import UserError
 from crossdistill.losses import PrefixGroups
 from crossdistill.losses.lookahead import project_lookahead
-from crossdistill.train.short_share import PRIOR_COUNT, boundary_counts, short_shares
+from crossdistill.train.short_share import (
+    PRIOR_COUNT,
+    boundary_counts,
+    describe_counts,
+    short_shares,
+)
 from tests.unit.test_lookahead_prefix import (
     TOP_K_END,
     check_against_plain_loss,
@@ -152,21 +158,39 @@ def test_shares_are_drawn_toward_the_overall_share():
     assert (short_shares(np.zeros(3, int), np.zeros(3, int)) == 0.5).all()
 
 
+def test_the_log_line_says_what_was_counted():
+    short, longer = np.array([30, 0, 1, 0]), np.array([10, 20, 0, 0])
+    line = describe_counts("t", short, longer, 1000)
+    assert line == (
+        "teacher 't': lookahead_split shares counted on 61 chunks of 3 teacher tokens in a "
+        "1,000-byte sample of the training text; the student's token is the exact one in 51% "
+        "of them"
+    )
+    empty = describe_counts("t", np.zeros(4, int), np.zeros(4, int), 10)
+    assert empty.startswith("warning: teacher 't'") and "0.5 / 0.5" in empty
+
+
 def test_a_run_with_the_target_trains_and_differs_from_lookahead_prefix_end(
-    tmp_path, tokenizer_dir
+    tmp_path, tokenizer_dir, capsys
 ):
     """`train()` in one process on the harness's tokenizers (Llama-2 student, GPT-2 teacher):
     a finite first KD value, not `lookahead_prefix_end`'s (top-k of a third of the vocabulary,
-    as in `test_lookahead_prefix`)."""
+    as in `test_lookahead_prefix`), and the log says what the shares were counted on."""
     from tests.distributed import _harness as h
 
-    kd = {}
+    kd, logs = {}, {}
     for target in ("lookahead_prefix_end", "lookahead_split"):
         cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, TOP_K_END
         kd[target] = h.first_kd(cfg)
+        logs[target] = "".join(capsys.readouterr())
     assert all(math.isfinite(v) for v in kd.values())
     assert abs(kd["lookahead_split"] - kd["lookahead_prefix_end"]) > 1e-6 * kd["lookahead_split"]
+    counted = re.search(
+        r"lookahead_split shares counted on ([\d,]+) chunks", logs["lookahead_split"]
+    )
+    assert counted and int(counted[1].replace(",", "")) > 100
+    assert "lookahead_split shares" not in logs["lookahead_prefix_end"]
 
 
 def test_settings_and_projection_refuse_what_cannot_be_built(tmp_path, tokenizer_dir):
