@@ -39,10 +39,12 @@ def test_near_and_far_pairs_get_what_the_quality_benchmark_measured(tokenizer_di
     assert near["classes"]["digits"]["one_to_one_share"] < 1.0
     assert near["classes"]["digits"]["mean_chunk_tokens_teacher"] > 1.0
     assert far["first_piece"]["right"] < near["first_piece"]["right"]
-    assert far["recommendation"]["target"] == "lookahead_prefix_end"
+    assert far["recommendation"]["target"] == "lookahead_split"
     assert any("far pair" in w for w in far["warnings"])
     # and names the alternative measured beside it, with the comparison to run
-    assert any("--target lookahead_mix --target lookahead_split" in w for w in far["warnings"])
+    assert any(
+        "--target lookahead_prefix_end --target lookahead_split" in w for w in far["warnings"]
+    )
     for r in (near, far):
         assert 0 < r["one_to_one_share"] < 1
         assert abs(sum(r["first_piece"].values()) - 1) < 1e-9
@@ -117,7 +119,7 @@ def test_bad_input_is_one_line(tokenizer_dir, tmp_path, capsys):
     assert np.isfinite(audit_pair(tok, tok, TEXTS[:1])["one_to_one_share"])
 
 
-def test_a_pair_between_near_and_far_gets_the_far_target_and_says_to_compare():
+def test_a_pair_between_near_and_far_gets_lookahead_prefix_end_and_says_to_compare():
     from crossdistill.train.audit import recommend
 
     def report(right):
@@ -132,6 +134,6 @@ def test_a_pair_between_near_and_far_gets_the_far_target_and_says_to_compare():
     assert middle["target"] == "lookahead_prefix_end" and "88.0%" in middle["why"]
     assert "--target first_piece --target lookahead_prefix_end" in middle["why"]
     assert not warnings
-    assert recommend(report(0.80))[0]["target"] == "lookahead_prefix_end"
+    assert recommend(report(0.80))[0]["target"] == "lookahead_split"
     assert recommend(report(0.9499))[0]["target"] == "lookahead_prefix_end"
     assert recommend(report(0.95))[0]["target"] == "first_piece"

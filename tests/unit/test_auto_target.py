@@ -50,16 +50,16 @@ def write_jsonl(path: Path, rows: list) -> str:
         (0.95, False, "first_piece"),
         (0.9499, False, "lookahead_prefix_end"),
         (0.8001, False, "lookahead_prefix_end"),
-        (0.80, False, "lookahead_prefix_end"),
-        (0.5, False, "lookahead_prefix_end"),
+        (0.80, False, "lookahead_split"),
+        (0.5, False, "lookahead_split"),
         (0.74, True, "lookahead"),
         (0.88, True, "lookahead"),
         (0.97, True, "first_piece"),
     ],
 )
 def test_choose_target_at_and_around_the_thresholds(right, tp, want):
-    """Near pairs (95% or more) keep the first piece; below, the far pairs' target, except for a
-    tensor-parallel student, which gets the lookahead target."""
+    """Near pairs (95% or more) keep the first piece, pairs between get `lookahead_prefix_end`,
+    far pairs (80% or less) the split, and a tensor-parallel student the lookahead target."""
     assert (FAR_PAIR_RIGHT, NEAR_PAIR_RIGHT) == (0.80, 0.95)
     target, why = choose_target(right, "forward_kl", tensor_parallel=tp)
     assert target == want
@@ -209,7 +209,7 @@ def test_resolve_targets_chooses_per_teacher_and_leaves_the_config(tmp_path, tok
 
     got, notes = resolve_targets(cfg, tok_s, toks_t)
     assert [t.target for t in got] == [
-        "first_piece", "context", "lookahead_prefix_end", "first_piece", "first_piece"
+        "first_piece", "context", "lookahead_split", "first_piece", "first_piece"
     ]  # fmt: skip
     assert cfg.teachers == before and cfg.teachers[2].target == "auto"
     assert got[1] is cfg.teachers[1]
@@ -230,7 +230,7 @@ def test_resolve_targets_chooses_per_teacher_and_leaves_the_config(tmp_path, tok
     assert "teachers.2 (far): target auto -> lookahead:" in notes[1]
     cfg.student.parallel.tp = 1
     cfg.teachers[2].cache = str(tmp_path / "cache")
-    assert resolve_targets(cfg, tok_s, toks_t)[0][2].target == "lookahead_prefix_end"
+    assert resolve_targets(cfg, tok_s, toks_t)[0][2].target == "lookahead_split"
 
 
 def test_resolve_targets_on_a_real_pair_between_near_and_far(tmp_path, tokenizer_dir, texts):
@@ -265,8 +265,8 @@ def test_a_run_with_a_far_teacher_logs_the_choice_and_saves_auto(
     tmp_path, tokenizer_dir, texts, capsys
 ):
     """`train()` on tiny models, Llama-3 student and Llama-2 teacher at the default target: the
-    run's log says `auto -> lookahead_prefix_end`, the saved config keeps `auto`, the KD loss is
-    finite."""
+    run's log says `auto -> lookahead_split` and what the split's shares were counted on, the
+    saved config keeps `auto`, the KD loss is finite."""
     from tests.distributed import _harness as h
 
     raw = {
@@ -283,6 +283,7 @@ def test_a_run_with_a_far_teacher_logs_the_choice_and_saves_auto(
     kd = h.first_kd(cfg)
     assert math.isfinite(kd) and kd > 0
     err = capsys.readouterr().err
-    assert "teachers.0 (far): target auto -> lookahead_prefix_end:" in err
+    assert "teachers.0 (far): target auto -> lookahead_split:" in err
+    assert "teacher 'far': lookahead_split shares counted on" in err
     saved = json.loads((tmp_path / "run" / "config.json").read_text())
     assert saved["teachers"][0]["target"] == "auto"
