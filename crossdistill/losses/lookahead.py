@@ -72,9 +72,10 @@ all tokens where it is seen little). `lookahead_end` gives all of x's mass to `e
 one-to-one chunks and the second more of the longer ones, and no fixed mix of the two was better
 on every corpus (`benchmarks/README.md`, "`lookahead_mix` where the bench accepts the far
 pair"). An x whose exact token starts no longer student token has no group and goes whole to
-`e(x)`; one without an exact token goes whole to its group. Measured level with
-`lookahead_prefix_end` in total, ahead of it in the one-to-one chunks (`benchmarks/README.md`,
-"`lookahead_split`").
+`e(x)`; one without an exact token goes whole to its group. On the far pair it was ahead of
+`lookahead_prefix_end` in the one-to-one chunks, and at the quality bar on three corpora where
+`lookahead_prefix_end` was not (`benchmarks/README.md`, "`lookahead_split`" and "`lookahead_split`
+on a third corpus"), so `target: auto` takes it for far pairs.
 """
 
 from __future__ import annotations
