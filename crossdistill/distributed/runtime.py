@@ -37,14 +37,13 @@ from crossdistill.distributed.share import share_window_targets
 from crossdistill.distributed.streams import TargetStream
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import (
-    LONGER_ONLY_TARGETS,
-    MIX_TARGETS,
     KDTerm,
     TeacherTargets,
     VocabProjection,
     chunk_tokens,
     reads_past_end,
     target_depth,
+    target_kind,
     target_rows,
     teacher_targets,
 )
@@ -404,8 +403,9 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
     caller, from the whole global batch)."""
     params = {"beta": slot.cfg.beta, "alpha": slot.cfg.alpha}
     first_t = ahead = None
+    kind = target_kind(slot.cfg.target)
     chunks = _to(tb.chunks, device)
-    if slot.cfg.target == "context" and not tb.same_as_student:
+    if kind.context and not tb.same_as_student:
         first_t = _to(tb.input_ids, device).view(-1)[chunks[:, 2]]
     depth = target_depth(slot.cfg.target, tb.same_as_student)
     if depth > 1:
@@ -423,8 +423,8 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         first_t=first_t,
         lookahead=ahead,
         past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
-        longer_only=slot.cfg.target in LONGER_ONLY_TARGETS,
-        mix=slot.cfg.target in MIX_TARGETS,
+        longer_only=kind.longer_only,
+        mix=kind.mix,
     )
 
 

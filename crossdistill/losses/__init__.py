@@ -12,7 +12,8 @@
   lookahead, lookahead past the student token's end, lookahead with byte-prefix groups for the
   other tokens, both of those, both only where the student's token is the longer one, and the
   two past the end at half weight each, and the split between them counted on the text
-  (`teachers.N.target`).
+  (`teachers.N.target`). `target_kinds.py`: what each of them reads and where it puts the
+  teacher's mass (`target_kind(name)`), the one place the code outside their math asks.
 - `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
   its PyTorch reference), the second for targets with token-group buckets.
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
@@ -31,16 +32,7 @@ from crossdistill.losses.divergences import (
     tvd,
     uld,
 )
-from crossdistill.losses.lookahead import (
-    LONGER_ONLY_TARGETS,
-    LOOKAHEAD_DEPTH,
-    LOOKAHEAD_TARGETS,
-    MIX_TARGETS,
-    PREFIX_TARGETS,
-    SPLIT_TARGETS,
-    reads_past_end,
-    target_depth,
-)
+from crossdistill.losses.lookahead import LOOKAHEAD_DEPTH, reads_past_end, target_depth
 from crossdistill.losses.objective import student_loss
 from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
 from crossdistill.losses.projection import (
@@ -50,6 +42,7 @@ from crossdistill.losses.projection import (
     VocabProjection,
     project_topk,
 )
+from crossdistill.losses.target_kinds import TARGET_KINDS, TargetKind, target_kind
 from crossdistill.losses.targets import (
     TeacherTargets,
     chunk_tokens,
@@ -60,17 +53,14 @@ from crossdistill.losses.targets import (
 )
 
 __all__ = [
-    "LONGER_ONLY_TARGETS",
     "LOOKAHEAD_DEPTH",
-    "LOOKAHEAD_TARGETS",
-    "MIX_TARGETS",
-    "PREFIX_TARGETS",
-    "SPLIT_TARGETS",
+    "TARGET_KINDS",
     "LOSSES",
     "Buckets",
     "Joins",
     "PrefixGroups",
     "KDTerm",
+    "TargetKind",
     "TeacherTargets",
     "VocabProjection",
     "ce",
@@ -91,6 +81,7 @@ __all__ = [
     "skew_kl",
     "student_loss",
     "target_depth",
+    "target_kind",
     "target_rows",
     "teacher_targets",
     "tvd",

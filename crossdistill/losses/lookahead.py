@@ -94,6 +94,7 @@ from crossdistill.losses.projection import (
     merge_buckets,
     topk_entries,
 )
+from crossdistill.losses.target_kinds import target_kind
 
 NEG_INF = float("-inf")
 
@@ -103,54 +104,17 @@ NEG_INF = float("-inf")
 LOOKAHEAD_DEPTH = 4
 
 
-LOOKAHEAD_TARGETS = (
-    "lookahead",
-    "lookahead_end",
-    "lookahead_prefix",
-    "lookahead_prefix_end",
-    "lookahead_longer",
-    "lookahead_mix",
-    "lookahead_split",
-)
-# Targets with buckets of token groups (`PrefixGroups`): they sum the student's probabilities
-# over its whole vocabulary, so a vocabulary split does not take them (the fused pass does, with
-# `group_kernels`).
-PREFIX_TARGETS = (
-    "prefix",
-    "lookahead_prefix",
-    "lookahead_prefix_end",
-    "lookahead_longer",
-    "lookahead_mix",
-    "lookahead_split",
-)
-# Targets that read the teacher's row after each student token's end.
-PAST_END_TARGETS = (
-    "lookahead_end",
-    "lookahead_prefix_end",
-    "lookahead_longer",
-    "lookahead_mix",
-    "lookahead_split",
-)
-# Targets whose groups and step past the end apply only at chunks of one student token over
-# several teacher tokens.
-LONGER_ONLY_TARGETS = ("lookahead_longer",)
-# Targets that are two divergences at half weight each: without the groups and with them.
-MIX_TARGETS = ("lookahead_mix",)
-# Targets whose groups leave out each teacher token's exact student token, which takes a share
-# of the token's mass counted on the training text (`PrefixGroups.short_logshare`).
-SPLIT_TARGETS = ("lookahead_split",)
-
-
 def target_depth(target: str, same_as_student: bool) -> int:
     """Top-k rows per chunk a teacher's targets hold: `LOOKAHEAD_DEPTH` for a lookahead target
     of a teacher with its own tokenizer, else 1 (the KD position only)."""
-    return LOOKAHEAD_DEPTH if target in LOOKAHEAD_TARGETS and not same_as_student else 1
+    return LOOKAHEAD_DEPTH if target_kind(target).lookahead and not same_as_student else 1
 
 
 def reads_past_end(target: str, same_as_student: bool) -> bool:
     """Whether a teacher's targets include the row after each chunk's end (`target_rows`):
-    a target in `PAST_END_TARGETS` of a teacher with its own tokenizer."""
-    return target in PAST_END_TARGETS and not same_as_student
+    a target that reads past the end (`TargetKind.past_end`) of a teacher with its own
+    tokenizer."""
+    return target_kind(target).past_end and not same_as_student
 
 
 def _log_add(a: Tensor, b: Tensor) -> Tensor:

@@ -15,12 +15,10 @@ from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.distributed.runtime import Placement, TeacherSlot
 from crossdistill.errors import UserError
 from crossdistill.losses import (
-    LOOKAHEAD_TARGETS,
-    PREFIX_TARGETS,
-    SPLIT_TARGETS,
     Joins,
     PrefixGroups,
     VocabProjection,
+    target_kind,
 )
 from crossdistill.models import Teacher, load_tokenizer, tokenizer_fingerprint
 from crossdistill.train.auto_target import resolve_targets
@@ -89,9 +87,10 @@ def build_projection_for(
             rows_s,
             exact=exact.to(device),
         )
-    if tcfg.target in PREFIX_TARGETS:  # each student token's first teacher piece: the other way
+    kind = target_kind(tcfg.target)
+    if kind.groups:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
-        if tcfg.target in SPLIT_TARGETS:
+        if kind.split:
             share, counted = _short_share(tcfg.name, tok_s, tok_t, data, out, first_t)
             if notes is not None:
                 notes.append(counted)
@@ -103,7 +102,7 @@ def build_projection_for(
     if tcfg.loss == "hkl":
         matched = torch.from_numpy(relaxed_matches(tok_t, tok_s, proj))
         out.matched = _padded_ids(matched, rows_t, rows_s).to(device)
-    if tcfg.target in LOOKAHEAD_TARGETS:
+    if kind.lookahead:
         from crossdistill.alignment.projection import build_joins
 
         rows = torch.from_numpy(build_joins(tok_t, tok_s)).to(device)

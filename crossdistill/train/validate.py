@@ -19,7 +19,7 @@ from crossdistill.config import (
     TeacherConfig,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import PREFIX_TARGETS
+from crossdistill.losses import target_kind
 
 
 @dataclass
@@ -80,7 +80,7 @@ def validate_config(cfg: Config) -> tuple[ResolvedModel, list[ResolvedModel]]:
         raise UserError(f"teacher names must be distinct, got {names}; set teachers.N.name")
     for i, (t, r) in enumerate(zip(cfg.teachers, teachers)):
         _check_top_k(t, i, student.hf_config.vocab_size, r.hf_config.vocab_size)
-        if t.target in PREFIX_TARGETS and cfg.student.parallel.tp > 1:
+        if t.target != "auto" and target_kind(t.target).groups and cfg.student.parallel.tp > 1:
             raise UserError(
                 f"teachers.{i}.target = {t.target} sums the student's probabilities over "
                 f"groups of tokens anywhere in its vocabulary, which student.parallel.tp = "

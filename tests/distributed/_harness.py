@@ -103,6 +103,7 @@ def scenario_config(tokenizers: dict[str, str], data: Path, out: Path) -> Config
                 **model("tiny-phi3", "mistral", 32768),
                 "loss": "chunk_likelihood",
                 "weight": 0.5,
+                "target": "first_piece",  # what `auto` takes for a loss that is not projected
             },
         ],
         "data": {

@@ -46,7 +46,9 @@ def batches(tmp_path_factory, tokenizer_dir):
 
 
 def _term(kd_chunks: str, tb):
-    slot = SimpleNamespace(cfg=TeacherConfig(path="t", kd_chunks=kd_chunks), projection=None)
+    """The term of a first-piece teacher (a run resolves `target: auto` before any term)."""
+    cfg = TeacherConfig(path="t", kd_chunks=kd_chunks, target="first_piece")
+    slot = SimpleNamespace(cfg=cfg, projection=None)
     return make_term(slot, tb, targets=None, device=torch.device("cpu"))
 
 
