@@ -268,8 +268,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "end to the longer student tokens that spell them, and splits each of the teacher's "
             "other tokens between the student token that spells it and the longer ones that "
             "start with it, at a share counted on your text (Llama-2 -> Llama-3, bench quality, "
-            "2 x H200, KD 0.5, students on 1 MB, 10 seeds a run: 82-90% of the same-tokenizer "
-            "gain in four runs on three corpora, better than CE only on every seed, against "
+            "2 x H200, KD 0.5, students on 1 MB, 10 seeds a run: 78-90% of the same-tokenizer "
+            "gain in five runs on three corpora, better than CE only on every seed, against "
             "55-88% for `target: lookahead_prefix_end`, which lost to CE only on one seed; "
             "lower than it on 27 of 40 paired seeds, -0.6% on average); `target: auto` (the "
             "default) chooses it for this pair, at 1.00 of `lookahead_prefix_end`'s step "
@@ -282,9 +282,10 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "students on 1 MB: -6.0% and -6.5% bits per byte against -7.3% and -7.7% for "
             "same-tokenizer KD on the standard library, -6.4% against -7.0% on C headers, "
             "-4.6% against -5.4% on the Python docs and verse; first piece +1.8% on all the "
-            "text; KD weight 0.9 +6 to +17%); keep kd_ratio <= 0.5 and check with `crossdistill "
-            "bench quality --target lookahead_prefix_end --target lookahead_split` on your "
-            "corpus"
+            "text; at KD weight 0.9 the first piece lost 6 to 17%, while lookahead_split at 0.7 "
+            "gained 1.1% more than at 0.5 on the standard library, every seed); check the target "
+            "and the weight on your corpus with `crossdistill bench quality --target "
+            "lookahead_prefix_end --target lookahead_split` and `--kd-ratio 0.5 --kd-ratio 0.7`"
         )
     else:
         rec["why"] = (

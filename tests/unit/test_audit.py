@@ -41,9 +41,11 @@ def test_near_and_far_pairs_get_what_the_quality_benchmark_measured(tokenizer_di
     assert far["first_piece"]["right"] < near["first_piece"]["right"]
     assert far["recommendation"]["target"] == "lookahead_split"
     assert any("far pair" in w for w in far["warnings"])
-    # and names the alternative measured beside it, with the comparison to run
+    # and names the alternative measured beside it, and the weights, with the comparisons to run
     assert any(
-        "--target lookahead_prefix_end --target lookahead_split" in w for w in far["warnings"]
+        "--target lookahead_prefix_end --target lookahead_split" in w
+        and "--kd-ratio 0.5 --kd-ratio 0.7" in w
+        for w in far["warnings"]
     )
     for r in (near, far):
         assert 0 < r["one_to_one_share"] < 1
