@@ -24,7 +24,8 @@ class TargetKind:
     # reads the teacher's top-k at up to `LOOKAHEAD_DEPTH` positions along the observed path
     lookahead: bool = False
     # buckets of token groups (`PrefixGroups`): they sum the student's probabilities over its
-    # whole vocabulary, so a vocabulary split over tensor-parallel ranks does not take them
+    # whole vocabulary, so a vocabulary split over tensor-parallel ranks does not take them (the
+    # fused pass does, with `group_kernels`)
     groups: bool = False
     # reads the teacher's row after each student token's end (`targets.target_rows`)
     past_end: bool = False

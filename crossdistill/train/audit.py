@@ -268,7 +268,7 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             "end to the longer student tokens that spell them, and splits each of the teacher's "
             "other tokens between the student token that spells it and the longer ones that "
             "start with it, at a share counted on your text (Llama-2 -> Llama-3, bench quality, "
-            "2 x H200, KD 0.5, students on 1 MB, 10 seeds a run: 78-90% of the same-tokenizer "
+            "H200, KD 0.5, students on 1 MB, 10 seeds a run: 78-90% of the same-tokenizer "
             "gain in five runs on three corpora, better than CE only on every seed, against "
             "55-88% for `target: lookahead_prefix_end`, which lost to CE only on one seed; "
             "lower than it on 27 of 40 paired seeds, -0.6% on average); `target: auto` (the "
