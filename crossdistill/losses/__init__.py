@@ -32,7 +32,6 @@ from crossdistill.losses.divergences import (
     tvd,
     uld,
 )
-from crossdistill.losses.lookahead import LOOKAHEAD_DEPTH, reads_past_end, target_depth
 from crossdistill.losses.objective import student_loss
 from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
 from crossdistill.losses.projection import (
@@ -42,7 +41,14 @@ from crossdistill.losses.projection import (
     VocabProjection,
     project_topk,
 )
-from crossdistill.losses.target_kinds import TARGET_KINDS, TargetKind, target_kind
+from crossdistill.losses.target_kinds import (
+    LOOKAHEAD_DEPTH,
+    TARGET_KINDS,
+    TargetKind,
+    reads_past_end,
+    target_depth,
+    target_kind,
+)
 from crossdistill.losses.targets import (
     TeacherTargets,
     chunk_tokens,

@@ -94,27 +94,8 @@ from crossdistill.losses.projection import (
     merge_buckets,
     topk_entries,
 )
-from crossdistill.losses.target_kinds import target_kind
 
 NEG_INF = float("-inf")
-
-# Teacher positions read per student token: the KD position and up to three more along the
-# observed path; longer paths are rare even for a SentencePiece teacher under a byte-level BPE
-# student (`benchmarks/target_bias.py`), and they split at the limit like the context target.
-LOOKAHEAD_DEPTH = 4
-
-
-def target_depth(target: str, same_as_student: bool) -> int:
-    """Top-k rows per chunk a teacher's targets hold: `LOOKAHEAD_DEPTH` for a lookahead target
-    of a teacher with its own tokenizer, else 1 (the KD position only)."""
-    return LOOKAHEAD_DEPTH if target_kind(target).lookahead and not same_as_student else 1
-
-
-def reads_past_end(target: str, same_as_student: bool) -> bool:
-    """Whether a teacher's targets include the row after each chunk's end (`target_rows`):
-    a target that reads past the end (`TargetKind.past_end`) of a teacher with its own
-    tokenizer."""
-    return target_kind(target).past_end and not same_as_student
 
 
 def _log_add(a: Tensor, b: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
 """What each projected target (`teachers.N.target`) reads and where it puts the teacher's mass.
 
 One `TargetKind` per target name, in `TARGET_KINDS`: the trainer, the teacher cache, the teacher
-streams and the checks at load ask `target_kind(name)` and read its fields, so a new target is one
-entry here plus its math (`projection.py`, `lookahead.py`). The names themselves are the config's
+streams and the checks at load ask `target_kind(name)` and read its fields, or ask
+`target_depth` and `reads_past_end` for the teacher rows a target needs. A new target is one entry
+here plus its math (`projection.py`, `lookahead.py`). The names themselves are the config's
 (`config.TARGETS`); `auto` is not a kind: it is resolved to one of these at load
 (`train.auto_target`). The targets are explained where their math is: `projection.py` (first
 piece, context, prefix) and `lookahead.py` (the lookahead family)."""
@@ -12,6 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from crossdistill.errors import UserError
+
+# Teacher positions read per student token: the KD position and up to three more along the
+# observed path; longer paths are rare even for a SentencePiece teacher under a byte-level BPE
+# student (`benchmarks/target_bias.py`), and they split at the limit like the context target.
+LOOKAHEAD_DEPTH = 4
 
 
 @dataclass(frozen=True)
@@ -62,3 +68,16 @@ def target_kind(name: str) -> TargetKind:
         choices = ", ".join(TARGET_KINDS)
         hint = " (auto is resolved at load, by train.auto_target)" if name == "auto" else ""
         raise UserError(f"unknown target {name!r}{hint}; use one of {choices}") from None
+
+
+def target_depth(target: str, same_as_student: bool) -> int:
+    """Top-k rows per chunk a teacher's targets hold: `LOOKAHEAD_DEPTH` for a lookahead target
+    of a teacher with its own tokenizer, else 1 (the KD position only)."""
+    return LOOKAHEAD_DEPTH if target_kind(target).lookahead and not same_as_student else 1
+
+
+def reads_past_end(target: str, same_as_student: bool) -> bool:
+    """Whether a teacher's targets include the row after each chunk's end (`target_rows`):
+    a target that reads past the end (`TargetKind.past_end`) of a teacher with its own
+    tokenizer."""
+    return target_kind(target).past_end and not same_as_student
