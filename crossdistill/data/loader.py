@@ -13,6 +13,10 @@ stream, so a resume with other values is refused.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pickle
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +45,42 @@ class _Failure:
     """A user-caused error inside a worker, re-raised as one clean `UserError` in the trainer."""
 
     message: str
+
+
+class _StreamFile(IterableDataset):
+    """What each loader worker is sent in place of the stream: the path of a file that holds
+    the stream pickled, which the worker reads as it starts.
+
+    A spawned process's arguments reach it through a pipe that the parent writes whole before
+    `Process.start` returns, and the parent keeps the pipe's reading end open until then. The
+    stream pickles to megabytes (the tokenizers), more than a pipe buffers, so a worker that
+    dies before reading them (its interpreter cannot import the program, as when the script
+    was moved or edited mid-run, or it is killed) left the trainer blocked in that write for
+    good. A path fits the buffer: `start` returns, and the DataLoader reports the dead worker
+    ("exited unexpectedly") within seconds."""
+
+    def __init__(self, stream: PackedStream):
+        fd, self.path = tempfile.mkstemp(prefix="crossdistill-stream-", suffix=".pkl")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump(stream, f, protocol=pickle.HIGHEST_PROTOCOL)
+        self.stream: PackedStream | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]
+        with open(self.path, "rb") as f:
+            self.stream = pickle.load(f)
+
+    def __iter__(self) -> Iterator[tuple[Any, Any]]:
+        assert self.stream is not None, "read in the worker, from the file"
+        return iter(self.stream)
+
+    def remove(self) -> None:
+        """Deletes the file, once every worker of the loader has read it or is gone."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(self.path)
 
 
 class PackedStream(IterableDataset):
@@ -122,26 +162,32 @@ class DistillLoader:
             self.stream.start_states, self.stream.worker_offset = list(self._states), self._next
         else:
             self.stream.start_states, self.stream.worker_offset = [WorkerState()] * n, 0
+        dataset: IterableDataset = self.stream
         workers = {}
         if self.num_workers > 0:
             workers = {"multiprocessing_context": WORKER_START_METHOD}
+            dataset = _StreamFile(self.stream)
         loader = DataLoader(
-            self.stream,
+            dataset,
             batch_size=None,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             collate_fn=_keep,
             **workers,
         )
-        for batch, where in loader:
-            if isinstance(batch, _Failure):
-                raise UserError(batch.message)
-            if self.resumable:
-                logical, state = where
-                self._states[logical] = state
-                self._next = (logical + 1) % n
-                self.batches_yielded += 1
-            yield batch
+        try:
+            for batch, where in loader:
+                if isinstance(batch, _Failure):
+                    raise UserError(batch.message)
+                if self.resumable:
+                    logical, state = where
+                    self._states[logical] = state
+                    self._next = (logical + 1) % n
+                    self.batches_yielded += 1
+                yield batch
+        finally:
+            if isinstance(dataset, _StreamFile):
+                dataset.remove()
 
     def take(self, num: int) -> Iterator[Batch]:
         """Exactly `num` batches of a validation loader, starting over where the split runs

@@ -6,6 +6,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import subprocess
+import sys
+import textwrap
 from itertools import islice
 
 import pytest
@@ -278,6 +281,46 @@ def test_validation_batches_do_not_depend_on_workers_or_ranks(tmp_path, pair):
         for r in range(7 % size, size):  # the ranks short of a batch: one of padding
             pad = shares[r][-1].student
             assert bool((pad.doc_ids < 0).all()) and int((pad.labels >= 0).sum()) == 0
+
+
+# a program whose loader workers cannot start: each spawned worker runs the program's top level
+# as it starts (as `__mp_main__`), and here that exits, as when the script was moved or edited
+# while it ran, or a worker is killed at start
+_WORKERS_DIE_AT_START = """
+    import multiprocessing, sys
+    if multiprocessing.parent_process() is not None:
+        raise SystemExit(3)
+    from crossdistill.config import DataConfig
+    from crossdistill.data import build_loader
+    from crossdistill.models import load_tokenizer
+
+    corpus, student, teacher = sys.argv[1:]
+    cfg = DataConfig(train=[corpus], seq_len=64, micro_batch_size=2, num_workers=2, val_fraction=0.0)
+    loader = build_loader(cfg, load_tokenizer(student), [load_tokenizer(teacher)])
+    next(iter(loader))
+"""
+
+
+def test_workers_that_cannot_start_fail_the_loader_instead_of_hanging(tmp_path, tokenizer_dir):
+    """The stream pickles to megabytes (the tokenizers); sent whole to a worker that died
+    before reading it, it blocked the trainer for good inside `Process.start`. Now the loader
+    fails within seconds, names the dead workers, and leaves no file behind."""
+    path, _ = _corpus(tmp_path)
+    script = tmp_path / "workers_die.py"
+    script.write_text(textwrap.dedent(_WORKERS_DIE_AT_START))
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    args = [str(path), str(tokenizer_dir("gpt2")), str(tokenizer_dir("llama2"))]
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
+            env=env, cwd=os.getcwd(),
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail("the loader hung on workers that could not start")
+    assert done.returncode != 0
+    assert "exited unexpectedly" in done.stderr, done.stderr[-2000:]
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 @pytest.mark.gpu
