@@ -4,8 +4,9 @@
 #   TOK=/path/to/tokenizers bash benchmarks/quality_gpu.sh start [more bench quality arguments]
 #   OUT=/path/to/results bash benchmarks/quality_gpu.sh collect [SECONDS]
 # `start` launches the near pair (Llama-3 student, Qwen3 teacher) and the far pair (Llama-2
-# teacher) into $RUN (default /tmp/quality); `collect` waits up to SECONDS (default 0) for it
-# to finish, then copies summary.json, cells.jsonl, the log and the plot to $OUT.
+# teacher) into $RUN (default /tmp/quality), from a copy of the code in $RUN/code; `collect`
+# waits up to SECONDS (default 0) for it to finish, then copies summary.json, cells.jsonl, the
+# log and the plot to $OUT.
 set -uo pipefail
 RUN=${RUN:-/tmp/quality}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -14,7 +15,12 @@ start)
     shift
     TOK=${TOK:?set TOK to the tokenizers folder}
     mkdir -p "$RUN"
-    setsid nohup python3 benchmarks/bench_quality.py --scale gpu --seeds "${SEEDS:-5}" \
+    # every run of the bench starts a fresh interpreter that imports the package and this
+    # script again: run from a copy of them, so that the checkout may change while it goes
+    # (a worker that cannot import them ends its run)
+    rm -rf "$RUN/code" && mkdir -p "$RUN/code" && cp -r crossdistill benchmarks "$RUN/code"/ || exit 1
+    export PYTHONPATH="$RUN/code"
+    setsid nohup python3 "$RUN/code/benchmarks/bench_quality.py" --scale gpu --seeds "${SEEDS:-5}" \
         --student-tokenizer "$TOK/llama3/hf" --teacher-tokenizer "$TOK/qwen3/hf" \
         --teacher-tokenizer "$TOK/llama2/hf" --out "$RUN" --json "$@" \
         > "$RUN/stdout.json" 2> "$RUN/log.txt" < /dev/null &
@@ -23,9 +29,9 @@ start)
 collect)
     OUT=${OUT:?set OUT}
     deadline=$(( $(date +%s) + ${2:-0} ))
-    while pgrep -f bench_quality.py > /dev/null && (( $(date +%s) < deadline )); do sleep 10; done
+    while pgrep -f "$RUN/code/benchmarks/bench_quality.py" > /dev/null && (( $(date +%s) < deadline )); do sleep 10; done
     cp "$RUN"/summary.json "$RUN"/cells.jsonl "$RUN"/log.txt "$RUN"/stdout.json "$RUN"/quality.png "$OUT"/ 2>/dev/null
-    pgrep -f bench_quality.py > /dev/null && echo "still running" || echo "finished"
+    pgrep -f "$RUN/code/benchmarks/bench_quality.py" > /dev/null && echo "still running" || echo "finished"
     tail -5 "$RUN/cells.jsonl" 2>/dev/null
     grep -v "^step " "$RUN/log.txt" | tail -5
     ;;
