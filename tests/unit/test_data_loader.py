@@ -314,7 +314,7 @@ def test_workers_that_cannot_start_fail_the_loader_instead_of_hanging(tmp_path, 
     try:
         done = subprocess.run(
             [sys.executable, str(script), *args], capture_output=True, text=True, timeout=120,
-            env=env, cwd=os.getcwd(),
+            env=env,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
         pytest.fail("the loader hung on workers that could not start")
