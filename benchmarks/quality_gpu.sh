@@ -28,6 +28,12 @@ start)
     ;;
 collect)
     OUT=${OUT:?set OUT}
+    # a detached run lives only on the machine that started it: a fresh machine has none, and
+    # "finished" there would read as a run that ended with no results
+    if [ ! -d "$RUN/code" ]; then
+        echo "no run under $RUN on this machine: start one here (a run does not survive the machine that started it)" >&2
+        exit 1
+    fi
     deadline=$(( $(date +%s) + ${2:-0} ))
     while pgrep -f "$RUN/code/benchmarks/bench_quality.py" > /dev/null && (( $(date +%s) < deadline )); do sleep 10; done
     cp "$RUN"/summary.json "$RUN"/cells.jsonl "$RUN"/log.txt "$RUN"/stdout.json "$RUN"/quality.png "$OUT"/ 2>/dev/null

@@ -9,8 +9,10 @@ import json
 import math
 import platform
 import statistics
+import subprocess
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -1073,3 +1075,19 @@ def test_kd_ratio_cells_pair_each_weight_with_its_own_same_tokenizer_cell(tmp_pa
     assert exp.cache_job("llama2", 0).cfg.run.out_dir == folder
     caches = {exp.student_job(c, student, seed=0).cfg.teachers[0].cache for c in exp.cells[3:]}
     assert caches == {folder}
+
+
+def test_quality_gpu_script_collects_only_a_run_this_machine_started(tmp_path):
+    """`benchmarks/quality_gpu.sh collect` where no run was started (a fresh machine) fails
+    with that reason instead of reporting a finished run with no results; `start` without
+    the tokenizers folder starts nothing."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_gpu.sh"
+    env = {"PATH": "/usr/bin:/bin", "RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out")}
+    done = subprocess.run(["bash", str(script), "collect", "30"], env=env, capture_output=True,
+                          text=True, timeout=20)  # fmt: skip
+    assert done.returncode == 1
+    assert "no run under" in done.stderr and "finished" not in done.stdout
+    done = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True,
+                          text=True, timeout=20)  # fmt: skip
+    assert done.returncode != 0 and "set TOK" in done.stderr
+    assert not (tmp_path / "run").exists()
