@@ -78,7 +78,8 @@ class _StreamFile(IterableDataset):
         return iter(self.stream)
 
     def remove(self) -> None:
-        """Deletes the file, once every worker of the loader has read it or is gone."""
+        """Deletes the file, once every worker of the loader has read it or is gone; a second
+        call does nothing."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(self.path)
 
@@ -176,9 +177,14 @@ class DistillLoader:
             **workers,
         )
         try:
-            for batch, where in loader:
+            for given, (batch, where) in enumerate(loader, start=1):
                 if isinstance(batch, _Failure):
                     raise UserError(batch.message)
+                if given == self.num_workers and isinstance(dataset, _StreamFile):
+                    # the DataLoader hands out its first tasks one per worker and gives results
+                    # in task order: by the n-th batch every worker has answered, so has read
+                    # the file, and a run killed later leaves none behind
+                    dataset.remove()
                 if self.resumable:
                     logical, state = where
                     self._states[logical] = state

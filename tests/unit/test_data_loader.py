@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from itertools import islice
 
@@ -321,6 +322,25 @@ def test_workers_that_cannot_start_fail_the_loader_instead_of_hanging(tmp_path, 
     assert done.returncode != 0
     assert "exited unexpectedly" in done.stderr, done.stderr[-2000:]
     assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_the_workers_stream_file_is_gone_once_every_worker_has_answered(
+    tmp_path, monkeypatch, pair
+):
+    """The file each worker reads its stream from is deleted by the loader's n-th batch, so a
+    run killed later (SIGKILL skips every `finally`) leaves nothing in the temp folder."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    path, _ = _corpus(tmp_path)
+    cfg = DataConfig(train=[str(path)], seq_len=64, micro_batch_size=2, num_workers=2)
+    batches = iter(build_loader(cfg, pair[0], [pair[1]]))
+    first = next(batches)
+    assert [f.name.startswith("crossdistill-stream-") for f in folder.iterdir()] == [True]
+    assert first.student.input_ids.shape == (2, 64)
+    next(batches)
+    assert list(folder.iterdir()) == []
+    assert all(b.student.input_ids.shape == (2, 64) for b in islice(batches, 6))
 
 
 @pytest.mark.gpu
