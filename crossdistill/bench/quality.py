@@ -353,11 +353,11 @@ class Experiment:
         from crossdistill.models import load_tokenizer
 
         s, spec = self.spec.scale, self.spec
-        self.log(f"[quality] corpus -> {self.out / 'data'}")
         self.data, train_texts = write_corpus(
             self.out, spec.corpora, train_bytes=s.train_bytes, val_bytes=s.val_bytes,
             student_bytes=s.student_train_bytes, text_field=spec.text_field, log=self.log,
         )  # fmt: skip
+        self.log(f"[quality] corpus -> {self.data}")
         self.vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}
         bpt_ref = bytes_per_token(spec.student_tokenizer, train_texts)
         everyone = [(spec.student_tokenizer, self.same_label), *self.labels.items()]
@@ -595,6 +595,10 @@ class Experiment:
             "student_tokenizer": self.spec.student_tokenizer,
             "teacher_tokenizers": self.spec.teacher_tokenizers,
             "corpus": self.spec.corpora or ["python standard library (the demo's corpus)"],
+            # a hash of the training and held-out text as the bench split it (it names the folder
+            # OUT/data/DIGEST): two runs read the same text only where theirs agree, whatever
+            # their corpus paths say
+            "corpus_digest": self.data.name,
             "text_field": self.spec.text_field,
             "teacher": {
                 **s.teacher,

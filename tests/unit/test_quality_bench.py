@@ -617,6 +617,8 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     assert (tmp_path / "quality.png").stat().st_size > 1000
     assert len((tmp_path / "cells.jsonl").read_text().splitlines()) == 2 + 2 * 4
     assert json.loads((tmp_path / "summary.json").read_text())["cross"] == report["cross"]
+    (data,) = (tmp_path / "data").iterdir()  # the text as split, named by its hash
+    assert report["settings"]["corpus_digest"] == data.name and len(data.name) == 12
     versions = report["settings"]["versions"]  # what a rerun's numbers also depend on
     assert (
         versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
