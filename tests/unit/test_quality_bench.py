@@ -710,6 +710,31 @@ def test_source_corpus_takes_each_distinct_file_once_in_path_order(tmp_path):
     assert list(source_texts(roots, (".h",), limit=10**9)) == []
 
 
+def test_java_corpus_reads_a_jdk_source_archive_in_path_order(tmp_path):
+    """`docs_corpus.py --java`: the `.java` members of a JDK's `lib/src.zip`, in path order,
+    short and repeated files left out, cut at the byte limit; a JDK without sources is refused
+    with the fix."""
+    import zipfile
+
+    from benchmarks.docs_corpus import java_texts, jdk_sources
+
+    jdk = tmp_path / "jdk"
+    (jdk / "lib").mkdir(parents=True)
+    long = {name: f"class {name} {{}}\n" * 60 for name in ("A", "B", "C")}
+    with zipfile.ZipFile(jdk / "lib" / "src.zip", "w") as z:
+        z.writestr("java.base/java/util/C.java", long["C"])
+        z.writestr("java.base/java/lang/A.java", long["A"])
+        z.writestr("java.base/java/lang/Copy.java", long["A"])  # the same text again
+        z.writestr("java.base/java/lang/Short.java", "class S {}")  # under 500 characters
+        z.writestr("java.base/java/lang/B.java", long["B"])
+        z.writestr("java.base/java/lang/notes.html", long["C"] + "<p>")  # not Java
+    archive = jdk_sources(jdk)
+    assert list(java_texts(archive, limit=10**9)) == [long["A"], long["B"], long["C"]]
+    assert list(java_texts(archive, limit=len(long["A"]) + 1)) == [long["A"]]
+    with pytest.raises(SystemExit, match="no lib/src.zip under .*give --jdk"):
+        jdk_sources(tmp_path / "no-jdk")
+
+
 def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     """Identical tokenizers: the first-piece target is right at every KD position; a
     finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
