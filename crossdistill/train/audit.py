@@ -262,7 +262,7 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     elif far:
         rec["why"] = (
             f"far pair: the first-piece target is right at only {right:.1%} of KD positions "
-            "(Llama-2 and Mistral for a Llama-3 student: 74-80%); `target: lookahead_split` "
+            "(Llama-2 and Mistral for a Llama-3 student: 68-81%); `target: lookahead_split` "
             "follows the teacher along the student's token, gives each continuation to the "
             "student token that spells it, moves the teacher's continuations past the token's "
             "end to the longer student tokens that spell them, and splits each of the teacher's "
@@ -290,7 +290,7 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     else:
         rec["why"] = (
             f"between near and far: the first-piece target is right at {right:.1%} of KD "
-            "positions (near pairs 97-99%, far pairs 74-80%); where one student token spans "
+            "positions (near pairs 97-99%, far pairs 68-81%); where one student token spans "
             "several teacher tokens (digits, mostly) the first piece taught the student worse "
             "than CE only on every seed, and `target: lookahead_prefix_end` better (Qwen3 -> "
             "Llama-3 on Perl, 90%, bench quality, H200, 5 seeds; the demo's pair, 88%, 3 "

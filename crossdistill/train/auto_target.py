@@ -9,7 +9,7 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
 - **Near pairs** (right at `NEAR_PAIR_RIGHT` or more; Qwen3 and Phi-4-mini for a Llama-3
   student, 97-99%): `first_piece`. There it taught what same-tokenizer KD teaches, and in one
   run on two corpora `prefix`, `lookahead_prefix_end` and `gold` were level with it, not ahead.
-- **Far pairs** (at most `FAR_PAIR_RIGHT`; Llama-2 and Mistral for a Llama-3 student, 74-80%):
+- **Far pairs** (at most `FAR_PAIR_RIGHT`; Llama-2 and Mistral for a Llama-3 student, 68-81%):
   `lookahead_split`. The first piece made the student worse than CE only; `lookahead_prefix`
   closed more of the gap than the context and lookahead targets, and `lookahead_prefix_end`
   (the same, with the observed token's mass split past its end) more than `lookahead_prefix`,
@@ -19,7 +19,12 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   (-0.62% on average), closed 82-90% of the same-tokenizer gain in each of four runs with
   every seed better than CE only, where `lookahead_prefix_end` closed 55-88% and lost to CE
   only on one seed (benchmarks/README.md, "`lookahead_split` on a third corpus"); a fifth run
-  on the standard library closed 78%, every seed better than CE only. A
+  on the standard library closed 78%, every seed better than CE only. The bound sits between
+  the pairs measured: on a JDK's Java sources Llama-2's first piece is right at 80.7%, and there
+  `lookahead_split` closed 84% of the gap, every seed better than CE only, where
+  `lookahead_prefix_end` made every seed worse than CE only (the cpu scale, 5 paired seeds;
+  benchmarks/README.md, "The cpu scale on Java sources"); on the demo's pair, at 88%, the two
+  were level. A
   tensor-parallel student gets the next best, `lookahead` (the prefix groups sum over the
   whole student vocabulary, which tensor parallelism splits). A teacher read from a cache
   gets the same targets as a live one: the cache holds every position's top-k, and the
@@ -50,8 +55,9 @@ import numpy as np
 
 from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig
 
-# share of KD positions where the first piece is right: at or below it, a far pair
-FAR_PAIR_RIGHT = 0.80
+# share of KD positions where the first piece is right: at or below it, a far pair (between the
+# far pairs measured, up to 81%, and the pairs between, from 88%)
+FAR_PAIR_RIGHT = 0.85
 # at or above it, a near pair: the first piece
 NEAR_PAIR_RIGHT = 0.95
 # what a far pair gets with a student without tensor parallelism

@@ -137,5 +137,7 @@ def test_a_pair_between_near_and_far_gets_lookahead_prefix_end_and_says_to_compa
     assert "--target first_piece --target lookahead_prefix_end" in middle["why"]
     assert not warnings
     assert recommend(report(0.80))[0]["target"] == "lookahead_split"
+    assert recommend(report(0.85))[0]["target"] == "lookahead_split"
+    assert recommend(report(0.8501))[0]["target"] == "lookahead_prefix_end"
     assert recommend(report(0.9499))[0]["target"] == "lookahead_prefix_end"
     assert recommend(report(0.95))[0]["target"] == "first_piece"
