@@ -40,6 +40,7 @@ from crossdistill.train.auto_target import (
     NEAR_PAIR_RIGHT,
     choose_target,
     first_piece_kinds,
+    near_a_bound,
 )
 
 CLASSES = ("digits", "whitespace", "non_latin", "special")
@@ -251,6 +252,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "target": choose_target(right, "forward_kl", tensor_parallel=False)[0],
         "kd_ratio": 0.5,
     }
+    if near_a_bound(right):
+        warnings.append(f"the first-piece target is right at {right:.1%}: {near_a_bound(right)}")
     if right >= NEAR_PAIR_RIGHT:
         rec["why"] = (
             f"near pair: the first-piece target is right at {right:.1%} of KD positions (Qwen3 "

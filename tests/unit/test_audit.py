@@ -139,5 +139,10 @@ def test_a_pair_between_near_and_far_gets_lookahead_prefix_end_and_says_to_compa
     assert recommend(report(0.80))[0]["target"] == "lookahead_split"
     assert recommend(report(0.85))[0]["target"] == "lookahead_split"
     assert recommend(report(0.8501))[0]["target"] == "lookahead_prefix_end"
+    # near the far bound the audit warns that other text may fall on its other side
+    near, near_warnings = recommend(report(0.84))
+    assert near["target"] == "lookahead_split"
+    assert any("84.0%" in w and "--target lookahead_split --target lookahead_prefix_end" in w
+               for w in near_warnings)  # fmt: skip
     assert recommend(report(0.9499))[0]["target"] == "lookahead_prefix_end"
     assert recommend(report(0.95))[0]["target"] == "first_piece"

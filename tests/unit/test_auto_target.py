@@ -49,12 +49,14 @@ def write_jsonl(path: Path, rows: list) -> str:
         (0.97, False, "first_piece"),
         (0.95, False, "first_piece"),
         (0.9499, False, "lookahead_prefix_end"),
+        (0.865, False, "lookahead_prefix_end"),
         (0.8501, False, "lookahead_prefix_end"),
         (0.85, False, "lookahead_split"),
         (0.807, False, "lookahead_split"),
         (0.80, False, "lookahead_split"),
         (0.5, False, "lookahead_split"),
         (0.74, True, "lookahead"),
+        (0.84, True, "lookahead"),
         (0.88, True, "lookahead"),
         (0.97, True, "first_piece"),
     ],
@@ -69,6 +71,9 @@ def test_choose_target_at_and_around_the_thresholds(right, tp, want):
     assert f"{right:.1%}" in why
     assert ("a far pair" in why) == (right <= FAR_PAIR_RIGHT)
     assert ("a near pair" in why) == (right >= NEAR_PAIR_RIGHT)
+    # within two points of the far bound (and not tensor-parallel) the reason names the check
+    hint = "--target lookahead_split --target lookahead_prefix_end"
+    assert (hint in why) == (not tp and abs(right - FAR_PAIR_RIGHT) <= 0.02)
 
 
 @pytest.mark.parametrize("loss", ["chunk_likelihood", "uld", "gold", "hkl"])
