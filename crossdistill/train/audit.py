@@ -252,8 +252,8 @@ def recommend(report: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         "target": choose_target(right, "forward_kl", tensor_parallel=False)[0],
         "kd_ratio": 0.5,
     }
-    if near_a_bound(right):
-        warnings.append(f"the first-piece target is right at {right:.1%}: {near_a_bound(right)}")
+    if hint := near_a_bound(right):
+        warnings.append(f"the first-piece target is right at {right:.1%}: {hint}")
     if right >= NEAR_PAIR_RIGHT:
         rec["why"] = (
             f"near pair: the first-piece target is right at {right:.1%} of KD positions (Qwen3 "

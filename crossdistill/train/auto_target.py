@@ -143,9 +143,8 @@ def choose_target(right: float | None, loss: str, tensor_parallel: bool) -> tupl
 
 
 def near_a_bound(right: float) -> str:
-    """What to run when `right` is within `BOUND_MARGIN` of the far bound (the other bound
-    only moves a pair between the first piece and a target a bound away from it, which
-    `crossdistill audit` already says to compare)."""
+    """The comparison to run when `right` is within `BOUND_MARGIN` of the far bound; "" when
+    not. (Near the near bound the audit already says to compare the two targets.)"""
     if abs(right - FAR_PAIR_RIGHT) > BOUND_MARGIN:
         return ""
     return (
