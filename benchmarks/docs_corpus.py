@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import html
+import io
 import json
 import re
 import zipfile
@@ -106,10 +107,17 @@ def man_texts():
             yield text
 
 
+def _open_text(path: Path):
+    """`path` for writing text; a `.gz` one with no time in its header (`mtime=0`), so that two
+    builds of one corpus have one md5."""
+    if path.suffix != ".gz":
+        return open(path, "w", encoding="utf-8")
+    return io.TextIOWrapper(gzip.GzipFile(path, "wb", mtime=0), "utf-8")
+
+
 def write_jsonl(path: Path, texts) -> tuple[int, int]:
     rows = size = 0
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "wt") as f:
+    with _open_text(path) as f:
         for text in texts:
             f.write(json.dumps({"text": text}, ensure_ascii=path.suffix != ".gz") + "\n")
             rows, size = rows + 1, size + len(text.encode())

@@ -735,6 +735,31 @@ def test_java_corpus_reads_a_jdk_source_archive_in_path_order(tmp_path):
         jdk_sources(tmp_path / "no-jdk")
 
 
+def test_a_gzip_corpus_written_twice_has_one_md5(tmp_path, monkeypatch):
+    """`docs_corpus.py` writes `.gz` corpora with no time in the header: a rebuild of one corpus
+    is byte-equal to the first build (its md5, recorded beside a result, can be checked), and
+    reads back as the texts written."""
+    import gzip
+    import hashlib
+    import json
+    import time
+
+    from benchmarks.docs_corpus import write_jsonl
+
+    texts = ["class A {}\n", "é and ü\n" * 3]
+    digests = []
+    for i, when in enumerate((1_000_000_000, 1_500_000_000)):
+        out = tmp_path / str(i) / "java.jsonl.gz"
+        out.parent.mkdir()
+        monkeypatch.setattr(time, "time", lambda t=when: t)  # what gzip stamps in a header
+        assert write_jsonl(out, iter(texts)) == (2, sum(len(t.encode()) for t in texts))
+        monkeypatch.undo()
+        digests.append(hashlib.md5(out.read_bytes()).hexdigest())
+        with gzip.open(out, "rt", encoding="utf-8") as f:
+            assert [json.loads(line)["text"] for line in f] == texts
+    assert digests[0] == digests[1]
+
+
 def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     """Identical tokenizers: the first-piece target is right at every KD position; a
     finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
