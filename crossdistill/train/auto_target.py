@@ -148,9 +148,9 @@ def near_a_bound(right: float) -> str:
     if abs(right - FAR_PAIR_RIGHT) > BOUND_MARGIN:
         return ""
     return (
-        f"within {BOUND_MARGIN:.0%} of the {FAR_PAIR_RIGHT:.0%} bound, where other text can "
-        f"fall on its other side: compare both with `crossdistill bench quality --target "
-        f"{FAR_TARGET} --target {BETWEEN_TARGET}` on your corpus"
+        f"within {BOUND_MARGIN * 100:.0f} points of the {FAR_PAIR_RIGHT:.0%} bound, where other "
+        "text can fall on its other side: compare both with `crossdistill bench quality "
+        f"--target {FAR_TARGET} --target {BETWEEN_TARGET}` on your corpus"
     )
 
 

@@ -74,6 +74,7 @@ def test_choose_target_at_and_around_the_thresholds(right, tp, want):
     # within two points of the far bound (and not tensor-parallel) the reason names the check
     hint = "--target lookahead_split --target lookahead_prefix_end"
     assert (hint in why) == (not tp and abs(right - FAR_PAIR_RIGHT) <= 0.02)
+    assert ("within 2 points of the 85% bound" in why) == (hint in why)
 
 
 @pytest.mark.parametrize("loss", ["chunk_likelihood", "uld", "gold", "hkl"])
