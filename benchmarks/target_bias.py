@@ -56,7 +56,7 @@ Over all KD positions, what `teachers.N.target: lookahead_end` reads past the st
   order), and the step moves that continuation's share onto a token the text did not use.
 
     python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
-        --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--json]
+        --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--spread] [--json]
 
 No model is run: alignment and projection only, seconds on a CPU.
 """
@@ -79,21 +79,23 @@ from crossdistill.alignment.projection import (  # noqa: E402
     relaxed_matches,
 )
 from crossdistill.alignment.token_bytes import TokenBytes  # noqa: E402
-from crossdistill.bench.quality_corpus import corpus_pieces  # noqa: E402
+from crossdistill.bench.quality_corpus import corpus_pieces, spread_pieces  # noqa: E402
 from crossdistill.losses import LOOKAHEAD_DEPTH, PrefixGroups  # noqa: E402
 from crossdistill.models import load_tokenizer  # noqa: E402
 from crossdistill.train.audit import FIRST_PIECE_KINDS as KINDS  # noqa: E402
 from crossdistill.train.audit import first_bytes, first_piece_kinds  # noqa: E402
 
 
-def texts_of(corpora: list[str], limit: int) -> list[str]:
+def texts_of(corpora: list[str], limit: int, spread: bool = False) -> list[str]:
+    """About `limit` bytes of the corpora: their first bytes, or with `spread` whole documents at
+    an even stride through them, as the bench's students read a corpus ordered by source."""
     if corpora:
         pieces = corpus_pieces(corpora)
     else:
         from crossdistill.train.demo_assets import stdlib_corpus
 
         pieces, _ = stdlib_corpus(max_files=100_000, seed=0, train_bytes=limit, val_bytes=1)
-    return first_bytes(pieces, limit)
+    return spread_pieces(pieces, limit) if spread else first_bytes(pieces, limit)
 
 
 def path_length(ids_t, pieces_t: list[bytes], known: set[bytes]) -> int:
@@ -204,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--teacher", action="append", required=True, help="a teacher's tokenizer")
     p.add_argument("--corpus", action="append", default=[])
     p.add_argument("--bytes", type=int, default=2_000_000, help="text to read (UTF-8 bytes)")
+    p.add_argument(
+        "--spread",
+        action="store_true",
+        help="whole documents spread evenly through the corpus, not its first bytes",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
-    texts = texts_of(args.corpus, args.bytes)
+    texts = texts_of(args.corpus, args.bytes, args.spread)
     tok_s = load_tokenizer(args.student)
     rows = {}
     for path in args.teacher:
@@ -215,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         "student": args.student,
         "corpus": args.corpus or ["python standard library"],
         "bytes": sum(len(t.encode()) for t in texts),
+        "spread": args.spread,
         "pairs": rows,
     }
     if args.json:

@@ -760,6 +760,19 @@ def test_a_gzip_corpus_written_twice_has_one_md5(tmp_path, monkeypatch):
     assert digests[0] == digests[1]
 
 
+def test_target_bias_reads_the_first_bytes_or_documents_spread_through_the_corpus(tmp_path):
+    """`target_bias.py --spread`: whole documents at an even stride through a corpus ordered by
+    source, as the bench's students read it; without it, the corpus's first bytes."""
+    from benchmarks.target_bias import texts_of
+
+    docs = [f"doc {i:02d} " + "x" * 993 for i in range(20)]  # 1,000 bytes each
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    assert texts_of([str(corpus)], 5000) == docs[:5]
+    spread = texts_of([str(corpus)], 5000, spread=True)
+    assert spread == [docs[i] for i in (0, 4, 8, 12, 16)]
+
+
 def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     """Identical tokenizers: the first-piece target is right at every KD position; a
     finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
