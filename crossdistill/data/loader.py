@@ -17,6 +17,7 @@ import contextlib
 import os
 import pickle
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +48,41 @@ class _Failure:
     message: str
 
 
+STREAM_PREFIX = "crossdistill-stream-"  # then the writing process's id
+# a stream file lives seconds (until every worker has given a batch); one this old whose writer
+# is not running is stale. The age also spares a live writer whose process id this process
+# cannot see (another container's, sharing the temp folder)
+STALE_STREAM_S = 3600.0
+
+
+def remove_stale_stream_files(folder: str) -> None:
+    """Deletes the stream files in `folder` whose writing process is gone: one killed in the
+    seconds before its workers had all read theirs (SIGKILL skips every `finally`) leaves its
+    file there, and the next loader built on the machine removes it. Files younger than
+    `STALE_STREAM_S`, another user's, and names without a process id are left alone."""
+    now = time.time()
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            name = entry.name
+            if not (name.startswith(STREAM_PREFIX) and name.endswith(".pkl")):
+                continue
+            pid = name[len(STREAM_PREFIX) :].partition("-")[0]
+            with contextlib.suppress(OSError):
+                old = now - entry.stat().st_mtime > STALE_STREAM_S
+                if old and pid.isdigit() and not _running(int(pid)):
+                    os.remove(entry.path)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class _StreamFile(IterableDataset):
     """What each loader worker is sent in place of the stream: the path of a file that holds
     the stream pickled, which the worker reads as it starts.
@@ -60,7 +96,8 @@ class _StreamFile(IterableDataset):
     ("exited unexpectedly") within seconds."""
 
     def __init__(self, stream: PackedStream):
-        fd, self.path = tempfile.mkstemp(prefix="crossdistill-stream-", suffix=".pkl")
+        remove_stale_stream_files(tempfile.gettempdir())
+        fd, self.path = tempfile.mkstemp(prefix=f"{STREAM_PREFIX}{os.getpid()}-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(stream, f, protocol=pickle.HIGHEST_PROTOCOL)
         self.stream: PackedStream | None = None

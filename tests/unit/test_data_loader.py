@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from itertools import islice
 
 import pytest
@@ -341,6 +342,35 @@ def test_the_workers_stream_file_is_gone_once_every_worker_has_answered(
     next(batches)
     assert list(folder.iterdir()) == []
     assert all(b.student.input_ids.shape == (2, 64) for b in islice(batches, 6))
+
+
+def test_a_loader_removes_the_stream_files_of_processes_that_are_gone(tmp_path, monkeypatch, pair):
+    """A run killed while its workers start leaves its stream file; the next loader on the
+    machine deletes the old files of writers no longer running, and keeps a running one's and
+    any written within the hour."""
+    from crossdistill.data.loader import STALE_STREAM_S, STREAM_PREFIX
+
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its process id names no process now
+    stale = folder / f"{STREAM_PREFIX}{gone.pid}-abc.pkl"
+    recent = folder / f"{STREAM_PREFIX}{gone.pid}-new.pkl"  # perhaps a writer it cannot see
+    live = folder / f"{STREAM_PREFIX}{os.getppid()}-def.pkl"
+    unnamed = folder / f"{STREAM_PREFIX}abc.pkl"  # an older name, without a process id
+    other = folder / "notes.pkl"
+    hours_ago = time.time() - 2 * STALE_STREAM_S
+    for f in (stale, recent, live, unnamed, other):
+        f.write_bytes(b"x")
+        if f is not recent:
+            os.utime(f, (hours_ago, hours_ago))
+    path, _ = _corpus(tmp_path)
+    cfg = DataConfig(train=[str(path)], seq_len=64, micro_batch_size=2, num_workers=1)
+    batches = iter(build_loader(cfg, pair[0], [pair[1]]))
+    assert next(batches).student.input_ids.shape == (2, 64)
+    assert not stale.exists()
+    assert recent.exists() and live.exists() and unnamed.exists() and other.exists()
 
 
 @pytest.mark.gpu
