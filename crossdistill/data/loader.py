@@ -55,7 +55,7 @@ STREAM_PREFIX = "crossdistill-stream-"  # then the writing process's id
 STALE_STREAM_S = 3600.0
 
 
-def remove_stale_stream_files(folder: str) -> None:
+def _remove_stale_stream_files(folder: str) -> None:
     """Deletes the stream files in `folder` whose writing process is gone: one killed in the
     seconds before its workers had all read theirs (SIGKILL skips every `finally`) leaves its
     file there, and the next loader built on the machine removes it. Files younger than
@@ -96,7 +96,7 @@ class _StreamFile(IterableDataset):
     ("exited unexpectedly") within seconds."""
 
     def __init__(self, stream: PackedStream):
-        remove_stale_stream_files(tempfile.gettempdir())
+        _remove_stale_stream_files(tempfile.gettempdir())
         fd, self.path = tempfile.mkstemp(prefix=f"{STREAM_PREFIX}{os.getpid()}-", suffix=".pkl")
         with os.fdopen(fd, "wb") as f:
             pickle.dump(stream, f, protocol=pickle.HIGHEST_PROTOCOL)

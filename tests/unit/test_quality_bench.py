@@ -741,8 +741,6 @@ def test_a_gzip_corpus_written_twice_has_one_md5(tmp_path, monkeypatch):
     reads back as the texts written."""
     import gzip
     import hashlib
-    import json
-    import time
 
     from benchmarks.docs_corpus import write_jsonl
 
