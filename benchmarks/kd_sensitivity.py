@@ -54,12 +54,13 @@ def run_seed(
     kd_chunks: tuple[str, ...] = ("all",),
     ce_without_kd: tuple[str, ...] = ("ratio",),
     kd_warmup_steps: tuple[int, ...] = (0,),
+    student_steps: int | None = None,
+    student_text: str | None = None,
 ) -> dict:
     from crossdistill.bench.quality_spec import target_terms
     from crossdistill.config import DISTRIBUTION_LOSSES
     from crossdistill.models import load_tokenizer
     from crossdistill.train import demo
-    from crossdistill.train.audit import first_bytes
     from crossdistill.train.demo_assets import train_demo_tokenizers
 
     train_texts, val_texts = demo._write_corpus(out, seed)
@@ -91,14 +92,17 @@ def run_seed(
     student = demo._model(s, student_tok, v_s)
     lr = student_lr or s["lr"]
     lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
-    if student_bytes:  # the students see the first N bytes of the teachers' text
-        lr_tag += f"_b{student_bytes}"
-        text = out / "data" / f"train_{student_bytes}.jsonl"
-        kept = first_bytes(train_texts, student_bytes, within=True)
+    steps = student_steps or s["steps"]
+    lr_tag += "" if steps == s["steps"] else f"_s{steps}"
+    how = student_text or demo.DEMO["student_text"]
+    if student_bytes:  # the students see N bytes of the teachers' text, as `how` takes them
+        lr_tag += f"_b{student_bytes}" + ("" if how == "files" else f"_{how}")
+        text = out / "data" / f"train_{student_bytes}{'' if how == 'files' else '_' + how}.jsonl"
+        kept = demo.student_share(train_texts, student_bytes, how)
         text.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept), encoding="utf-8")
 
     def student_stage(name: str, entries: list | None = None):
-        cfg = demo.stage_config(out, name, student, s["steps"], lr, seed, evals, entries)
+        cfg = demo.stage_config(out, name, student, steps, lr, seed, evals, entries)
         if student_bytes:
             cfg.data.train = [str(text)]
         return cfg
@@ -179,11 +183,21 @@ def main() -> int:
     p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
     p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
     p.add_argument(
+        "--student-steps", type=int, default=None, help="the students' steps; default: the demo's"
+    )
+    p.add_argument(
         "--student-bytes",
         type=int,
         default=None,
         help="students train on the first N bytes of the teachers' text (whole files, in "
         "epochs); default: the demo's; 0: all of it",
+    )
+    p.add_argument(
+        "--student-text",
+        choices=["files", "pieces"],
+        default=None,
+        help="how the students' bytes are taken (the demo's `student_text`): its first whole "
+        "files, or pieces of every file at an even stride; default: the demo's",
     )
     p.add_argument(
         "--teacher-steps", type=int, default=None, help="the teachers' steps; default: the demo's"
@@ -198,11 +212,13 @@ def main() -> int:
     from crossdistill.bench import library_versions
     from crossdistill.train.demo import DEMO
 
+    student_steps = DEMO["student"]["steps"] if args.student_steps is None else args.student_steps
+    if student_steps < 1:
+        p.error(f"--student-steps {args.student_steps}: give at least 1")
     for warmup in args.kd_warmup_steps:
-        if not 0 <= warmup <= DEMO["student"]["steps"]:
+        if not 0 <= warmup <= student_steps:
             p.error(
-                f"--kd-warmup-steps {warmup}: must lie in 0..{DEMO['student']['steps']}, "
-                "the students' steps"
+                f"--kd-warmup-steps {warmup}: must lie in 0..{student_steps}, the students' steps"
             )
 
     student_bytes = DEMO["student_bytes"] if args.student_bytes is None else args.student_bytes
@@ -224,6 +240,8 @@ def main() -> int:
                 tuple(args.kd_chunks),
                 tuple(args.ce_without_kd),
                 tuple(args.kd_warmup_steps),
+                args.student_steps,
+                args.student_text,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

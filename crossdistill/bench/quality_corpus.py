@@ -2,17 +2,17 @@
 training and held-out text by a hash of each piece, written as JSONL in a folder named by its
 content; the students' share of the training text spread through it; a tokenizer's bytes per
 token on it. The corpus is read only as far as the split needs (`CorpusReader`). Reads files
-with `data.sources`, counts tokens with `models`, and takes the demo's corpus from `train` when
-none is given."""
+with `data.sources`, takes the students' share with `data.documents`, counts tokens with
+`models`, and takes the demo's corpus from `train` when none is given."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+from crossdistill.data.documents import spread_pieces
 from crossdistill.errors import UserError
 
 PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a line end
@@ -142,19 +142,6 @@ def write_student_share(data: Path, train: list[str], num_bytes: int) -> Path:
     path = share_path(data, num_bytes)
     _write_jsonl(path, spread_pieces(train, num_bytes))
     return path
-
-
-def spread_pieces(pieces: list[str], num_bytes: int) -> list[str]:
-    """Whole pieces, about `num_bytes` UTF-8 bytes in all, taken at an even stride through
-    `pieces` in their order (all of them when they hold no more): a corpus ordered by source
-    (files sorted by path, one dataset after another) gives the students a share of every part
-    of it, where its first bytes would be one source only."""
-    sizes = [len(p.encode()) for p in pieces]
-    stride = sum(sizes) / num_bytes
-    if stride <= 1:
-        return list(pieces)
-    picks = sorted({int(j * stride) for j in range(math.ceil(len(pieces) / stride))})
-    return [pieces[i] for i in picks if i < len(pieces)]
 
 
 def share_path(data: Path, num_bytes: int) -> Path:

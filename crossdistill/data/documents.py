@@ -3,13 +3,15 @@
 A document is plain text (`str`) or a conversation (`list[Message]`). Anything else is `Bad`
 and goes through `BadInputPolicy`: `skip` logs a counted warning naming file and line and moves
 on; `error` stops with a `UserError` naming file and line. A batch is never built from a row
-that failed a check.
+that failed a check. Long texts are cut into pieces (`text_pieces`), and a share of a text is
+taken as pieces spread through it (`spread_pieces`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -95,6 +97,19 @@ def text_pieces(text: str, piece_chars: int = PIECE_CHARS) -> list[str]:
             cuts.append(cut)
     cuts.append(len(text))
     return [text[a:b] for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+
+
+def spread_pieces(pieces: list[str], num_bytes: int) -> list[str]:
+    """Whole pieces, about `num_bytes` UTF-8 bytes in all, taken at an even stride through
+    `pieces` in their order (all of them when they hold no more): a corpus ordered by source
+    (files sorted by path, one dataset after another) gives the students a share of every part
+    of it, where its first bytes would be one source only."""
+    sizes = [len(p.encode()) for p in pieces]
+    stride = sum(sizes) / num_bytes
+    if stride <= 1:
+        return list(pieces)
+    picks = sorted({int(j * stride) for j in range(math.ceil(len(pieces) / stride))})
+    return [pieces[i] for i in picks if i < len(pieces)]
 
 
 class BadInputPolicy:

@@ -19,7 +19,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from crossdistill.config import Config, from_dict, to_dict
 from crossdistill.errors import UserError
@@ -47,7 +47,12 @@ DEMO = {
         "steps": 250,
         "lr": 2e-3,
     },
-    "student_bytes": 150_000,  # whole files from the start of the teachers' 3 MB
+    "student_bytes": 150_000,  # of the teachers' 3 MB, as `student_text` takes it
+    # "files": the first whole files of the (shuffled) training text that fit in
+    # `student_bytes`; "pieces": every training file cut at line ends into pieces of about
+    # `student_piece_chars` characters, `student_bytes` of them taken at an even stride
+    "student_text": "files",
+    "student_piece_chars": 2048,
     "kd_ratio": 0.5,
     "top_k": 32,
     "eval_batches": 16,  # the runs' own validation; the summary scores every held-out file
@@ -114,18 +119,35 @@ def stage_config(
 
 
 STUDENT_TEXT = "student_train.jsonl"
+StudentText = Literal["files", "pieces"]
+
+
+def student_share(train: list[str], num_bytes: int, how: StudentText | None = None) -> list[str]:
+    """The students' text, about `num_bytes` of the teachers' `train` (`DEMO["student_text"]`):
+    its first whole files that fit (a seed whose first file is large reads mostly that file, or
+    stops short of `num_bytes` where the next one does not fit), or pieces of every file taken
+    at an even stride through it (pieces of tens of files, each seed's a sample of the whole)."""
+    from crossdistill.data.documents import spread_pieces, text_pieces
+    from crossdistill.train.audit import first_bytes
+
+    how = how or DEMO["student_text"]
+    if how == "files":
+        return first_bytes(train, num_bytes, within=True)
+    if how != "pieces":
+        raise UserError(f"student text {how!r}: give 'files' or 'pieces'")
+    pieces = [p for text in train for p in text_pieces(text, DEMO["student_piece_chars"])]
+    return spread_pieces(pieces, num_bytes)
 
 
 def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str]]:
     """OUT/data: the teacher's training text, the students' (its first `student_bytes`) and
     the held-out files."""
-    from crossdistill.train.audit import first_bytes
     from crossdistill.train.demo_assets import stdlib_corpus
 
     train, val = stdlib_corpus(seed=seed)
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
-    student = first_bytes(train, DEMO["student_bytes"], within=True)
+    student = student_share(train, DEMO["student_bytes"])
     for name, texts in (("train.jsonl", train), (STUDENT_TEXT, student), ("val.jsonl", val)):
         with open(data / name, "w", encoding="utf-8") as f:
             for text in texts:

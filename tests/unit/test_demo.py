@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from crossdistill.config import load_config, to_dict
 from crossdistill.train import demo
 
@@ -73,3 +75,26 @@ def test_a_saved_run_config_from_before_a_new_setting_still_matches(tmp_path):
     raw["train"]["no_such_setting"] = 1
     saved.write_text(json.dumps(raw))
     assert demo._saved_config(saved) is None
+
+
+def test_the_students_text_as_files_or_as_pieces_spread_through_the_teachers():
+    """`files`: the first whole files that fit, which stops at the first one that does not;
+    `pieces`: pieces of every file, about the same bytes, from many files, in their order."""
+    from crossdistill.errors import UserError
+    from crossdistill.train.demo import DEMO, student_share
+
+    lines = [f"def f_{i}(x):\n    return x + {i}\n" for i in range(400)]
+    files = ["".join(lines[k::40]) * 3 for k in range(40)]  # 40 files of ~2.6 kB
+    files.insert(1, "big = 1\n" * 4000)  # a 32 kB second file, as a large stdlib module
+    size = [len(f.encode()) for f in files]
+    whole = student_share(files, 20_000, "files")
+    assert whole == files[:1]  # the big file does not fit, and the files stop there
+    pieces = student_share(files, 20_000, "pieces")
+    got = sum(len(p.encode()) for p in pieces)
+    assert abs(got - 20_000) <= 1.25 * DEMO["student_piece_chars"] and got < sum(size)
+    sources = [next(i for i, f in enumerate(files) if p in f) for p in pieces]
+    assert sources == sorted(sources) and len(set(sources)) >= 6  # spread, in order
+    assert all(len(p) <= 1.25 * DEMO["student_piece_chars"] for p in pieces)
+    assert student_share(files, 20_000) == whole  # the demo's default
+    with pytest.raises(UserError, match="'files' or 'pieces'"):
+        student_share(files, 20_000, "lines")  # type: ignore[arg-type]

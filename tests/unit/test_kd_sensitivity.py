@@ -28,3 +28,18 @@ def test_a_kd_warmup_past_the_students_steps_is_refused_before_anything_trains(t
     assert run.returncode == 2
     assert "--kd-warmup-steps 251: must lie in 0..250" in run.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_the_warmup_is_checked_against_the_students_steps_asked_for(tmp_path):
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    longer = run("--student-steps", "100", "--kd-warmup-steps", "150")
+    assert longer.returncode == 2 and "--kd-warmup-steps 150: must lie in 0..100" in longer.stderr
+    for steps in ("0", "-3"):
+        none = run("--student-steps", steps)
+        assert none.returncode == 2 and f"--student-steps {steps}: give at least 1" in none.stderr
+    assert not any(tmp_path.iterdir())
