@@ -56,6 +56,7 @@ def run_seed(
     kd_warmup_steps: tuple[int, ...] = (0,),
     student_steps: int | None = None,
     student_text: str | None = None,
+    student_batch: int | None = None,
 ) -> dict:
     from crossdistill.bench.quality_spec import target_terms
     from crossdistill.config import DISTRIBUTION_LOSSES
@@ -94,6 +95,8 @@ def run_seed(
     lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
     steps = student_steps or s["steps"]
     lr_tag += "" if steps == s["steps"] else f"_s{steps}"
+    batch = student_batch or demo.DEMO["micro_batch_size"]
+    lr_tag += "" if batch == demo.DEMO["micro_batch_size"] else f"_mb{batch}"
     how = student_text or demo.DEMO["student_text"]
     if student_bytes:  # the students see N bytes of the teachers' text, as `how` takes them
         lr_tag += f"_b{student_bytes}" + ("" if how == "files" else f"_{how}")
@@ -105,6 +108,7 @@ def run_seed(
         cfg = demo.stage_config(out, name, student, steps, lr, seed, evals, entries)
         if student_bytes:
             cfg.data.train = [str(text)]
+        cfg.data.micro_batch_size = batch
         return cfg
 
     score(student_stage(f"student_ce{lr_tag}"), f"ce_only{lr_tag}")
@@ -193,6 +197,12 @@ def main() -> int:
         "epochs); default: the demo's; 0: all of it",
     )
     p.add_argument(
+        "--student-batch",
+        type=int,
+        default=None,
+        help="the students' sequences per step (data.micro_batch_size); default: the demo's",
+    )
+    p.add_argument(
         "--student-text",
         choices=["files", "pieces"],
         default=None,
@@ -215,6 +225,8 @@ def main() -> int:
     student_steps = DEMO["student"]["steps"] if args.student_steps is None else args.student_steps
     if student_steps < 1:
         p.error(f"--student-steps {args.student_steps}: give at least 1")
+    if args.student_batch is not None and args.student_batch < 1:
+        p.error(f"--student-batch {args.student_batch}: give at least 1")
     for warmup in args.kd_warmup_steps:
         if not 0 <= warmup <= student_steps:
             p.error(
@@ -242,6 +254,7 @@ def main() -> int:
                 tuple(args.kd_warmup_steps),
                 args.student_steps,
                 args.student_text,
+                args.student_batch,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -42,4 +42,6 @@ def test_the_warmup_is_checked_against_the_students_steps_asked_for(tmp_path):
     for steps in ("0", "-3"):
         none = run("--student-steps", steps)
         assert none.returncode == 2 and f"--student-steps {steps}: give at least 1" in none.stderr
+    empty = run("--student-batch", "0")
+    assert empty.returncode == 2 and "--student-batch 0: give at least 1" in empty.stderr
     assert not any(tmp_path.iterdir())
