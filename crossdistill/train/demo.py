@@ -48,8 +48,8 @@ DEMO = {
         "lr": 2e-3,
     },
     "student_bytes": 150_000,  # of the teachers' 3 MB, as `student_text` takes it
-    # "files": the first whole files of the (shuffled) training text that fit in
-    # `student_bytes`; "pieces": every training file cut at line ends into pieces of about
+    # "files": the first whole files of the (shuffled) training text, up to the first one that
+    # does not fit in `student_bytes` (60-147 kB over 16 seeds); "pieces": every training file cut at line ends into pieces of about
     # `student_piece_chars` characters, `student_bytes` of them taken at an even stride
     "student_text": "files",
     "student_piece_chars": 2048,
@@ -239,8 +239,12 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         evals,
         train_file=STUDENT_TEXT,
     )
-    kb = DEMO["student_bytes"] // 1000
-    print(f"[demo] 2/3 student, CE only: {s_steps} steps on the first {kb} kB of the text")
+    student_texts = student_share(train_texts, DEMO["student_bytes"])
+    kb = sum(len(t.encode()) for t in student_texts) // 1000
+    print(
+        f"[demo] 2/3 student, CE only: {s_steps} steps on {kb} kB of the text "
+        f"({len(student_texts)} {'whole files' if DEMO['student_text'] == 'files' else 'pieces'})"
+    )
     ce_only = run_stage(ce_cfg, reuse=False)
     teacher_entry = {
         "name": "teacher",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -53,8 +54,13 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     assert summary["kd_change"] == summary["distilled_bpb"] / summary["ce_only_bpb"] - 1
     for key in ("teacher_bpb", "ce_only_bpb", "distilled_bpb"):
         assert 0 < summary[key] < 20
-    assert "held-out bits per byte" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "held-out bits per byte" in out
     assert (tmp_path / "demo" / "summary.json").is_file()
+    # the students' text as read, not as asked for: whole files stop at the first that does not fit
+    rows = (tmp_path / "demo" / "data" / demo.STUDENT_TEXT).read_text().splitlines()
+    kb = sum(len(json.loads(r)["text"].encode()) for r in rows) // 1000
+    assert f"steps on {kb} kB of the text ({len(rows)} whole files)" in out
 
 
 def test_a_saved_run_config_from_before_a_new_setting_still_matches(tmp_path):
