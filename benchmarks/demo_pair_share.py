@@ -52,7 +52,7 @@ def main() -> int:
     )
     p.add_argument("--seeds", type=int, nargs="+", default=list(range(8)))
     p.add_argument(
-        "--student-text", choices=["files", "pieces"], default=None,
+        "--student-text", choices=["files", "filled", "pieces"], default=None,
         help="how the students' text is taken (the demo's `student_text`); default: the demo's",
     )  # fmt: skip
     p.add_argument("--out", default="runs/demo_pair_share")

@@ -204,10 +204,11 @@ def main() -> int:
     )
     p.add_argument(
         "--student-text",
-        choices=["files", "pieces"],
+        choices=["files", "filled", "pieces"],
         default=None,
         help="how the students' bytes are taken (the demo's `student_text`): its first whole "
-        "files, or pieces of every file at an even stride; default: the demo's",
+        "files, the same passing over those that do not fit until full (filled), or pieces of "
+        "every file at an even stride; default: the demo's",
     )
     p.add_argument(
         "--teacher-steps", type=int, default=None, help="the teachers' steps; default: the demo's"

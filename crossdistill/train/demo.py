@@ -49,7 +49,8 @@ DEMO = {
     },
     "student_bytes": 150_000,  # of the teachers' 3 MB, as `student_text` takes it
     # "files": the first whole files of the (shuffled) training text, up to the first one that
-    # does not fit in `student_bytes` (60-147 kB over 16 seeds); "pieces": every training file cut at line ends into pieces of about
+    # does not fit in `student_bytes` (60-147 kB over 16 seeds); "filled": the same, passing
+    # over the files that do not fit until `student_bytes` is full; "pieces": every training file cut at line ends into pieces of about
     # `student_piece_chars` characters, `student_bytes` of them taken at an even stride
     "student_text": "files",
     "student_piece_chars": 2048,
@@ -119,13 +120,14 @@ def stage_config(
 
 
 STUDENT_TEXT = "student_train.jsonl"
-StudentText = Literal["files", "pieces"]
+StudentText = Literal["files", "filled", "pieces"]
 
 
 def student_share(train: list[str], num_bytes: int, how: StudentText | None = None) -> list[str]:
     """The students' text, about `num_bytes` of the teachers' `train` (`DEMO["student_text"]`):
     its first whole files that fit (a seed whose first file is large reads mostly that file, or
-    stops short of `num_bytes` where the next one does not fit), or pieces of every file taken
+    stops short of `num_bytes` where the next one does not fit), the same passing over the files
+    that do not fit until it is full (`filled`), or pieces of every file taken
     at an even stride through it (pieces of tens of files, each seed's a sample of the whole)."""
     from crossdistill.data.documents import spread_pieces, text_pieces
     from crossdistill.train.audit import first_bytes
@@ -133,8 +135,16 @@ def student_share(train: list[str], num_bytes: int, how: StudentText | None = No
     how = how or DEMO["student_text"]
     if how == "files":
         return first_bytes(train, num_bytes, within=True)
+    if how == "filled":  # whole files, passing over those that do not fit, until full
+        kept, size = [], 0
+        for text in train:
+            n = len(text.encode())
+            if size + n <= num_bytes:
+                kept.append(text)
+                size += n
+        return kept or train[:1]
     if how != "pieces":
-        raise UserError(f"student text {how!r}: give 'files' or 'pieces'")
+        raise UserError(f"student text {how!r}: give 'files', 'filled' or 'pieces'")
     pieces = [p for text in train for p in text_pieces(text, DEMO["student_piece_chars"])]
     return spread_pieces(pieces, num_bytes)
 

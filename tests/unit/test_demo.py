@@ -101,6 +101,10 @@ def test_the_students_text_as_files_or_as_pieces_spread_through_the_teachers():
     sources = [next(i for i, f in enumerate(files) if p in f) for p in pieces]
     assert sources == sorted(sources) and len(set(sources)) >= 6  # spread, in order
     assert all(len(p) <= 1.25 * DEMO["student_piece_chars"] for p in pieces)
+    filled = student_share(files, 20_000, "filled")  # passes over the big one, fills up
+    assert filled == files[:1] + files[2 : len(filled) + 1]
+    full = sum(len(f.encode()) for f in filled)
+    assert full <= 20_000 < full + size[len(filled) + 1]  # the next small file would not fit
     assert student_share(files, 20_000) == whole  # the demo's default
-    with pytest.raises(UserError, match="'files' or 'pieces'"):
+    with pytest.raises(UserError, match="'files', 'filled' or 'pieces'"):
         student_share(files, 20_000, "lines")  # type: ignore[arg-type]
