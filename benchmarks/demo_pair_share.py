@@ -5,7 +5,8 @@ is a different pair on every seed, and so is the share of KD positions where the
 right, the number `target: auto` chooses by (`train/auto_target.py`). Per seed this builds the
 demo's corpus and tokenizers (as `crossdistill demo --seed S` does, no model trained) and prints
 the share measured on the students' text (`--student-text`), as a KD student of the demo
-measures it at load, and the target it gets. Prints one JSON object and writes it to `--out`/demo_pair_share.json:
+measures it at load, and the target it gets. Prints one JSON object and writes it to
+`--out`/demo_pair_share.json:
 
     python benchmarks/demo_pair_share.py --seeds 0 1 2 3 --out runs/share
 """
@@ -29,7 +30,7 @@ def seed_share(out: Path, seed: int, student_text: str | None = None) -> dict:
     from crossdistill.train.auto_target import SAMPLE_BYTES, choose_target, first_piece_right
     from crossdistill.train.demo_assets import train_demo_tokenizers
 
-    train_texts, val_texts = demo._write_corpus(out, seed)
+    train_texts, val_texts, _ = demo._write_corpus(out, seed)
     student_dir, teacher_dir = train_demo_tokenizers(
         train_texts, out / "tokenizers", val_texts=val_texts[:20]
     )

@@ -38,7 +38,7 @@ def one_copy(out: Path, seed: int, steps: int | None) -> dict:
     from crossdistill.train import demo
     from crossdistill.train.demo_assets import train_demo_tokenizers
 
-    train_texts, val_texts = demo._write_corpus(out, seed)
+    train_texts, val_texts, _ = demo._write_corpus(out, seed)
     student_tok, _ = train_demo_tokenizers(
         train_texts, out / "tokenizers", val_texts=val_texts[:20]
     )

@@ -64,7 +64,7 @@ def run_seed(
     from crossdistill.train import demo
     from crossdistill.train.demo_assets import train_demo_tokenizers
 
-    train_texts, val_texts = demo._write_corpus(out, seed)
+    train_texts, val_texts, _ = demo._write_corpus(out, seed)
     student_tok, teacher_tok = train_demo_tokenizers(
         train_texts, out / "tokenizers", val_texts=val_texts[:20]
     )
@@ -99,8 +99,9 @@ def run_seed(
     lr_tag += "" if batch == demo.DEMO["micro_batch_size"] else f"_mb{batch}"
     how = student_text or demo.DEMO["student_text"]
     if student_bytes:  # the students see N bytes of the teachers' text, as `how` takes them
-        lr_tag += f"_b{student_bytes}" + ("" if how == "files" else f"_{how}")
-        text = out / "data" / f"train_{student_bytes}{'' if how == 'files' else '_' + how}.jsonl"
+        how_tag = "" if how == "files" else f"_{how}"
+        lr_tag += f"_b{student_bytes}{how_tag}"
+        text = out / "data" / f"train_{student_bytes}{how_tag}.jsonl"
         kept = demo.student_share(train_texts, student_bytes, how)
         text.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept), encoding="utf-8")
 

@@ -50,8 +50,9 @@ DEMO = {
     "student_bytes": 150_000,  # of the teachers' 3 MB, as `student_text` takes it
     # "files": the first whole files of the (shuffled) training text, up to the first one that
     # does not fit in `student_bytes` (60-147 kB over 16 seeds); "filled": the same, passing
-    # over the files that do not fit until `student_bytes` is full; "pieces": every training file cut at line ends into pieces of about
-    # `student_piece_chars` characters, `student_bytes` of them taken at an even stride
+    # over the files that do not fit until `student_bytes` is full; "pieces": every training
+    # file cut at line ends into pieces of about `student_piece_chars` characters,
+    # `student_bytes` of them taken at an even stride
     "student_text": "files",
     "student_piece_chars": 2048,
     "kd_ratio": 0.5,
@@ -127,8 +128,8 @@ def student_share(train: list[str], num_bytes: int, how: StudentText | None = No
     """The students' text, about `num_bytes` of the teachers' `train` (`DEMO["student_text"]`):
     its first whole files that fit (a seed whose first file is large reads mostly that file, or
     stops short of `num_bytes` where the next one does not fit), the same passing over the files
-    that do not fit until it is full (`filled`), or pieces of every file taken
-    at an even stride through it (pieces of tens of files, each seed's a sample of the whole)."""
+    that do not fit until it is full (`filled`), or pieces of every file taken at an even
+    stride through it (pieces of tens of files, each seed's a sample of the whole)."""
     from crossdistill.data.documents import spread_pieces, text_pieces
     from crossdistill.train.audit import first_bytes
 
@@ -149,9 +150,9 @@ def student_share(train: list[str], num_bytes: int, how: StudentText | None = No
     return spread_pieces(pieces, num_bytes)
 
 
-def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str]]:
-    """OUT/data: the teacher's training text, the students' (its first `student_bytes`) and
-    the held-out files."""
+def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str], list[str]]:
+    """OUT/data: the teacher's training text, the students' (`student_share` of it) and the
+    held-out files; returns the three."""
     from crossdistill.train.demo_assets import stdlib_corpus
 
     train, val = stdlib_corpus(seed=seed)
@@ -162,7 +163,7 @@ def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str]]:
         with open(data / name, "w", encoding="utf-8") as f:
             for text in texts:
                 f.write(json.dumps({"text": text}) + "\n")
-    return train, val
+    return train, val, student
 
 
 def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
@@ -212,7 +213,7 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     print(f"[demo] corpus: Python standard library sources -> {out / 'data'}")
-    train_texts, val_texts = _write_corpus(out, seed)
+    train_texts, val_texts, student_texts = _write_corpus(out, seed)
     print(f"[demo] {len(train_texts)} training files, {len(val_texts)} held-out files")
     student_tok, teacher_tok = train_demo_tokenizers(
         train_texts, out / "tokenizers", val_texts=val_texts[:20]
@@ -249,11 +250,11 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         evals,
         train_file=STUDENT_TEXT,
     )
-    student_texts = student_share(train_texts, DEMO["student_bytes"])
     kb = sum(len(t.encode()) for t in student_texts) // 1000
+    unit = "pieces" if DEMO["student_text"] == "pieces" else "whole files"
     print(
         f"[demo] 2/3 student, CE only: {s_steps} steps on {kb} kB of the text "
-        f"({len(student_texts)} {'whole files' if DEMO['student_text'] == 'files' else 'pieces'})"
+        f"({len(student_texts)} {unit})"
     )
     ce_only = run_stage(ce_cfg, reuse=False)
     teacher_entry = {
