@@ -29,8 +29,10 @@ per byte of every run) and writes it to `--out`/`kd_sensitivity.json`. Runs alre
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -57,6 +59,8 @@ def run_seed(
     student_steps: int | None = None,
     student_text: str | None = None,
     student_batch: int | None = None,
+    source_root: Path | None = None,
+    temperature: float = 1.0,
 ) -> dict:
     from crossdistill.bench.quality_spec import target_terms
     from crossdistill.config import DISTRIBUTION_LOSSES
@@ -64,7 +68,7 @@ def run_seed(
     from crossdistill.train import demo
     from crossdistill.train.demo_assets import train_demo_tokenizers
 
-    train_texts, val_texts, _ = demo._write_corpus(out, seed)
+    train_texts, val_texts, _ = demo._write_corpus(out, seed, source_root)
     student_tok, teacher_tok = train_demo_tokenizers(
         train_texts, out / "tokenizers", val_texts=val_texts[:20]
     )
@@ -128,13 +132,14 @@ def run_seed(
             "loss": loss,
             "target": target,
             "top_k": k,
-            "temperature": 1.0,
+            "temperature": temperature,
             "kd_chunks": chunks,
         }
         tag = name if loss == "forward_kl" else f"{name}_{loss}"
         tag += "" if target == "first_piece" else f"_{target}"
         tag += ("" if chunks == "all" else f"_{chunks}") + ("" if ce == "ratio" else f"_ce{ce}")
         tag += ("" if k == demo.DEMO["top_k"] else f"_k{k}") + ("" if not warmup else f"_w{warmup}")
+        tag += "" if temperature == 1.0 else f"_T{temperature:g}"
         tag += t_tag + lr_tag
         # "A+B": one teacher read twice, under target A and under target B, each at weight 1/2
         terms = target_terms(target)
@@ -186,6 +191,12 @@ def main() -> int:
         "first N steps); default: 0, none",
     )
     p.add_argument("--top-k", type=int, default=None, help="default: the demo's")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="the KD students' teachers.N.temperature (losses scaled by its square); default: 1",
+    )
     p.add_argument("--student-lr", type=float, default=None, help="default: the demo's")
     p.add_argument(
         "--student-steps", type=int, default=None, help="the students' steps; default: the demo's"
@@ -214,8 +225,19 @@ def main() -> int:
     p.add_argument(
         "--teacher-steps", type=int, default=None, help="the teachers' steps; default: the demo's"
     )
+    p.add_argument(
+        "--source-root",
+        type=Path,
+        default=None,
+        help="the corpus: the .py files under DIR (e.g. an installed package's sources) instead "
+        "of this interpreter's standard library; its runs sit in their own seed folders",
+    )
     p.add_argument("--out", default="runs/kd_sensitivity")
     args = p.parse_args()
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        p.error(f"--temperature {args.temperature:g}: give a positive, finite number")
+    if args.source_root is not None and not args.source_root.is_dir():
+        p.error(f"--source-root {args.source_root}: not a directory; give a folder of .py files")
     for target in args.targets:
         unknown = [t for t in target_parts(target) if t not in get_args(Target)]
         if unknown:
@@ -236,12 +258,17 @@ def main() -> int:
             )
 
     student_bytes = DEMO["student_bytes"] if args.student_bytes is None else args.student_bytes
+    # runs on another corpus sit beside the standard library's, in seed folders of their own
+    source_tag = ""
+    if args.source_root is not None:
+        root = args.source_root.resolve()
+        source_tag = f"_{root.name}_{hashlib.sha256(str(root).encode()).hexdigest()[:8]}"
     t0 = time.perf_counter()
     rows = []
     for seed in args.seeds:
         rows.append(
             run_seed(
-                out / f"seed{seed}",
+                out / f"seed{seed}{source_tag}",
                 seed,
                 args.kd_ratios,
                 tuple(args.losses),
@@ -257,6 +284,8 @@ def main() -> int:
                 args.student_steps,
                 args.student_text,
                 args.student_batch,
+                args.source_root,
+                args.temperature,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

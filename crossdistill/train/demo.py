@@ -150,12 +150,15 @@ def student_share(train: list[str], num_bytes: int, how: StudentText | None = No
     return spread_pieces(pieces, num_bytes)
 
 
-def _write_corpus(out: Path, seed: int) -> tuple[list[str], list[str], list[str]]:
+def _write_corpus(
+    out: Path, seed: int, root: Path | None = None
+) -> tuple[list[str], list[str], list[str]]:
     """OUT/data: the teacher's training text, the students' (`student_share` of it) and the
-    held-out files; returns the three."""
+    held-out files, from the `.py` files under `root` (default: this interpreter's standard
+    library); returns the three."""
     from crossdistill.train.demo_assets import stdlib_corpus
 
-    train, val = stdlib_corpus(seed=seed)
+    train, val = stdlib_corpus(seed=seed, root=root)
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     student = student_share(train, DEMO["student_bytes"])

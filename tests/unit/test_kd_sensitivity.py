@@ -45,3 +45,36 @@ def test_the_warmup_is_checked_against_the_students_steps_asked_for(tmp_path):
     empty = run("--student-batch", "0")
     assert empty.returncode == 2 and "--student-batch 0: give at least 1" in empty.stderr
     assert not any(tmp_path.iterdir())
+
+
+def test_a_temperature_or_corpus_folder_that_cannot_be_used_is_refused_before_anything_trains(
+    tmp_path,
+):
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path / "out")],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+
+    for value in ("0", "-1", "nan", "inf"):
+        bad = run("--temperature", value)
+        assert bad.returncode == 2
+        assert f"--temperature {value}: give a positive, finite number" in bad.stderr
+    absent = tmp_path / "absent"
+    missing = run("--source-root", str(absent))
+    assert missing.returncode == 2
+    assert f"--source-root {absent}: not a directory" in missing.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_corpus_is_read_from_the_source_root_asked_for(tmp_path):
+    from crossdistill.train import demo
+
+    root = tmp_path / "src"
+    for i in range(40):
+        (root / f"pkg{i % 4}").mkdir(parents=True, exist_ok=True)
+        (root / f"pkg{i % 4}" / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x * {i}\n")
+    train, val, _ = demo._write_corpus(tmp_path / "run", 0, root)
+    texts = set(train) | set(val)
+    assert texts <= {f"def f{i}(x):\n    return x * {i}\n" for i in range(40)}
+    assert len(texts) == len(train) + len(val) == 40  # every file once, none on both sides
