@@ -40,7 +40,10 @@ def seed_share(out: Path, seed: int, student_text: str | None = None) -> dict:
     name = f"student_train_{how}.jsonl"
     kept = demo.student_share(train_texts, demo.DEMO["student_bytes"], how)
     (out / "data" / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in kept))
-    cfg = demo.stage_config(out, "student", student, s["steps"], s["lr"], seed, 1, train_file=name)
+    cfg = demo.stage_config(
+        out, "student", student, s["steps"], s["lr"], seed, 1, train_file=name,
+        batch=s["micro_batch_size"],
+    )  # fmt: skip
     right, positions = first_piece_right(tok_s, tok_t, sample_texts(cfg.data, SAMPLE_BYTES))
     target, why = choose_target(right, "forward_kl", tensor_parallel=False)
     return {"seed": seed, "student_text": how, "first_piece_right": right,

@@ -53,6 +53,7 @@ def one_copy(out: Path, seed: int, steps: int | None) -> dict:
         seed,
         demo.DEMO["eval_batches"],
         train_file=demo.STUDENT_TEXT,
+        batch=size["micro_batch_size"],
     )
     cfg.train.log_every = 1
     val = demo.run_stage(cfg, reuse=False)["val/bpb/student"]

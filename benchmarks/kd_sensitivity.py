@@ -38,6 +38,12 @@ import time
 from pathlib import Path
 from typing import get_args
 
+# A run's key names its teacher's steps and its students' batch where they differ from these,
+# the demo's settings until 2026-12-04 (since then 1000 and 16), so that one key means one
+# setting in every results file
+KEY_TEACHER_STEPS = 500
+KEY_STUDENT_BATCH = 4
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -89,18 +95,21 @@ def run_seed(
 
     t_steps = teacher_steps or t["steps"]
     # teachers trained for other steps sit beside the demo's, and so do their students
-    t_tag = "" if t_steps == t["steps"] else f"_t{t_steps}"
+    t_tag = "" if t_steps == KEY_TEACHER_STEPS else f"_t{t_steps}"
     for name in which:  # only the teachers asked for
         model = teachers[name]
-        cfg = demo.stage_config(out, f"teacher_{name}{t_tag}", model, t_steps, t["lr"], seed, evals)
+        cfg = demo.stage_config(
+            out, f"teacher_{name}{t_tag}", model, t_steps, t["lr"], seed, evals,
+            batch=t["micro_batch_size"],
+        )  # fmt: skip
         score(cfg, f"teacher_{name}{t_tag}")
     student = demo._model(s, student_tok, v_s)
     lr = student_lr or s["lr"]
     lr_tag = "" if lr == s["lr"] else f"_lr{lr:g}"  # runs at another lr sit beside the demo's
     steps = student_steps or s["steps"]
     lr_tag += "" if steps == s["steps"] else f"_s{steps}"
-    batch = student_batch or demo.DEMO["micro_batch_size"]
-    lr_tag += "" if batch == demo.DEMO["micro_batch_size"] else f"_mb{batch}"
+    batch = student_batch or s["micro_batch_size"]
+    lr_tag += "" if batch == KEY_STUDENT_BATCH else f"_mb{batch}"
     how = student_text or demo.DEMO["student_text"]
     if student_bytes:  # the students see N bytes of the teachers' text, as `how` takes them
         how_tag = "" if how == "files" else f"_{how}"
@@ -110,10 +119,9 @@ def run_seed(
         text.write_text("".join(json.dumps({"text": t}) + "\n" for t in kept), encoding="utf-8")
 
     def student_stage(name: str, entries: list | None = None):
-        cfg = demo.stage_config(out, name, student, steps, lr, seed, evals, entries)
+        cfg = demo.stage_config(out, name, student, steps, lr, seed, evals, entries, batch=batch)
         if student_bytes:
             cfg.data.train = [str(text)]
-        cfg.data.micro_batch_size = batch
         return cfg
 
     score(student_stage(f"student_ce{lr_tag}"), f"ce_only{lr_tag}")

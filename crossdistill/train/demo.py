@@ -28,14 +28,18 @@ from crossdistill.errors import UserError
 # benchmarks/README.md, "The demo (CPU)").
 DEMO = {
     "seq_len": 256,
-    "micro_batch_size": 4,
+    # The teacher reads its 3 MB about once, the students their 150 kB about 20 times.
+    # KD's margin over CE only needs both: with either alone (a teacher of 500 steps, or
+    # students of 4 sequences a step) it stayed near 2% and lost seeds (benchmarks/README.md,
+    # "The demo (CPU)", seed by seed)
     "teacher": {
         "hidden_size": 192,
         "intermediate_size": 512,
         "num_hidden_layers": 3,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "steps": 500,
+        "steps": 1000,
+        "micro_batch_size": 4,
         "lr": 1e-3,
     },
     "student": {
@@ -45,6 +49,7 @@ DEMO = {
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "steps": 250,
+        "micro_batch_size": 16,
         "lr": 2e-3,
     },
     "student_bytes": 150_000,  # of the teachers' 3 MB, as `student_text` takes it
@@ -91,7 +96,11 @@ def stage_config(
     eval_batches: int,
     teachers: list[dict[str, Any]] | None = None,
     train_file: str = "train.jsonl",
+    *,
+    batch: int,
 ) -> Config:
+    """One stage of the demo as a `crossdistill train` config: `model` trained `steps` steps of
+    `batch` sequences of `DEMO["seq_len"]` tokens on OUT/data/`train_file`, with `teachers`."""
     raw = {
         "student": model,
         "teachers": teachers or [],
@@ -99,7 +108,7 @@ def stage_config(
             "train": [str(out / "data" / train_file)],
             "validation": [str(out / "data" / "val.jsonl")],
             "seq_len": DEMO["seq_len"],
-            "micro_batch_size": DEMO["micro_batch_size"],
+            "micro_batch_size": batch,
             "num_workers": 0,
             "seed": seed,
         },
@@ -237,6 +246,7 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         DEMO["teacher"]["lr"],
         seed,
         evals,
+        batch=DEMO["teacher"]["micro_batch_size"],
     )
     print(
         f"[demo] 1/3 teacher: {t_steps} steps of CE on its own tokenizer (cached after the first run)"
@@ -252,6 +262,7 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         seed,
         evals,
         train_file=STUDENT_TEXT,
+        batch=DEMO["student"]["micro_batch_size"],
     )
     kb = sum(len(t.encode()) for t in student_texts) // 1000
     unit = "pieces" if DEMO["student_text"] == "pieces" else "whole files"
@@ -278,6 +289,7 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         evals,
         teachers=[teacher_entry],
         train_file=STUDENT_TEXT,
+        batch=DEMO["student"]["micro_batch_size"],
     )
     print(f"[demo] 3/3 student, CE + cross-tokenizer KD: {s_steps} steps, the same text")
     distilled = run_stage(kd_cfg, reuse=False)

@@ -34,6 +34,7 @@ def test_shipped_demo_config_is_the_demo_kd_stage():
         demo.DEMO["eval_batches"],
         teachers=[teacher],
         train_file=demo.STUDENT_TEXT,
+        batch=demo.DEMO["student"]["micro_batch_size"],
     )
     assert to_dict(load_config(REPO / "configs" / "demo.yaml")) == to_dict(ran)
 
