@@ -30,16 +30,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 
-def _texts(path: Path) -> list[str]:
-    return [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
-
-
 def other_text(data: Path, student_file: Path, num_bytes: int) -> Path:
     """DATA/other_N.jsonl: the first `num_bytes` of the teachers' training files (whole files)
     that are not in `student_file`."""
-    seen = set(_texts(student_file))
+    from crossdistill.data.documents import TextDocuments
+
+    seen = set(TextDocuments([str(student_file)]))
     kept, size = [], 0
-    for text in _texts(data / "train.jsonl"):
+    for text in TextDocuments([str(data / "train.jsonl")]):
         if size >= num_bytes:
             break
         if text not in seen:

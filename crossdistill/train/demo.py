@@ -28,10 +28,10 @@ from crossdistill.errors import UserError
 # benchmarks/README.md, "The demo (CPU)").
 DEMO = {
     "seq_len": 256,
-    # The teacher reads its 3 MB about once, the students their 150 kB about 20 times.
-    # KD's margin over CE only needs both: with either alone (a teacher of 500 steps, or
-    # students of 4 sequences a step) it stayed near 2% and lost seeds (benchmarks/README.md,
-    # "The demo (CPU)", seed by seed)
+    # The teacher reads its 3 MB about once, the students their 150 kB about 20 times. KD's
+    # margin needs both: students with too few steps take little from a better teacher, and
+    # students with many steps catch up with a weaker one (the settings measured, seed by seed:
+    # benchmarks/README.md, "The demo (CPU)")
     "teacher": {
         "hidden_size": 192,
         "intermediate_size": 512,
