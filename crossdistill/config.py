@@ -138,7 +138,7 @@ class TeacherConfig(ModelConfig):
     projection: str | None = None  # prebuilt projection file; built on the fly when absent
     # the projected losses' target at a chunk of one student token over several teacher tokens:
     # "auto" chooses at load from how the pair aligns on the training text (train/auto_target.py:
-    # first_piece for near pairs, lookahead_split for far ones, lookahead_prefix_end between);
+    # first_piece for near pairs, lookahead_split for every other pair);
     # "first_piece" gives the teacher's first token's mass to its first student piece;
     # "context" gives the part that continues to the student's observed token to that token;
     # "prefix" compares the teacher's token with the group of student tokens whose bytes start

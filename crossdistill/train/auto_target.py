@@ -9,40 +9,31 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
 - **Near pairs** (right at `NEAR_PAIR_RIGHT` or more; Qwen3 and Phi-4-mini for a Llama-3
   student, 97-99%): `first_piece`. There it taught what same-tokenizer KD teaches, and in one
   run on two corpora `prefix`, `lookahead_prefix_end` and `gold` were level with it, not ahead.
-- **Far pairs** (at most `FAR_PAIR_RIGHT`; Llama-2 and Mistral for a Llama-3 student, 68-81%):
-  `lookahead_split`. The first piece made the student worse than CE only; `lookahead_prefix`
-  closed more of the gap than the context and lookahead targets, and `lookahead_prefix_end`
-  (the same, with the observed token's mass split past its end) more than `lookahead_prefix`,
-  on every paired seed of two corpora. `lookahead_split` is `lookahead_prefix_end` with each
-  other token's mass split between its exact student token and its longer ones at a share
-  counted on the run's text: over 40 paired seeds of three corpora it was lower on 27
-  (-0.62% on average), closed 82-90% of the same-tokenizer gain in each of four runs with
-  every seed better than CE only, where `lookahead_prefix_end` closed 55-88% and lost to CE
-  only on one seed (benchmarks/README.md, "`lookahead_split` on a third corpus"); a fifth run
-  on the standard library closed 78%, every seed better than CE only. The bound sits between
-  the pairs measured: on a JDK's Java sources Llama-2's first piece is right at 80.7%, and there
-  `lookahead_split` closed 84% of the gap, every seed better than CE only, where
-  `lookahead_prefix_end` made every seed worse than CE only (the cpu scale, 5 paired seeds;
-  benchmarks/README.md, "The cpu scale on Java sources"); on the demo's pair the two were
-  level over 8 seeds. That pair, its tokenizers and its students' text drawn from each seed's
-  split, falls at 82.5-92.1% over 32 seeds of two Pythons' libraries, 3 of them under the bound,
-  where the two targets again came out level (section "Where the demo's pair falls"): the bound
-  stays where a far pair misjudged costs the most, since `lookahead_prefix_end` on a far pair
-  lost 3.1-3.4% to the split on every seed, and the split on a pair between lost nothing on
-  average. A
-  tensor-parallel student gets the next best, `lookahead` (the prefix groups sum over the
-  whole student vocabulary, which tensor parallelism splits). A teacher read from a cache
-  gets the same targets as a live one: the cache holds every position's top-k, and the
-  loader reads the rows a target needs.
-- **Pairs between** (Qwen3 for a Llama-3 student on Perl's numbers; the demo's pair):
-  `lookahead_prefix_end`. Where one student token spans several teacher tokens, the first
-  piece gives the teacher's first token's mass to a shorter student token that the text does
-  not use there, and taught the student worse than CE only; `lookahead_prefix_end` follows the
-  teacher's path to the student's token, and over both pairs' paired seeds its total was lower
-  than the first piece's (benchmarks/README.md, "The three targets on Perl's near pair"). A
-  target that keeps `lookahead` at the one-to-one chunks, `lookahead_longer`, did worse
-  (section "`lookahead_longer`"). `lookahead_split` was level with it on the demo's pair over
-  8 seeds and lost to CE only on one of them, so these pairs keep it.
+- **Every other pair** (under `NEAR_PAIR_RIGHT`): `lookahead_split`, the far pairs' target
+  (Llama-2 and Mistral for a Llama-3 student, 68-81% on five corpora) and the target of the
+  pairs between near and far (Qwen3 on Perl's numbers, 90%; Mistral on Java sources, 85%; the
+  demo's pair, 82-92% by seed). On far pairs the first piece made the student worse than CE
+  only; `lookahead_prefix` closed more of the gap than the context and lookahead targets, and
+  `lookahead_prefix_end` (the same, with the observed token's mass split past its end) more
+  than `lookahead_prefix`, on every paired seed of two corpora. `lookahead_split` is
+  `lookahead_prefix_end` with each other token's mass split between its exact student token and
+  its longer ones at a share counted on the run's text: over 40 paired seeds of three corpora
+  it was lower on 27 (-0.62% on average) and closed 82-90% of the same-tokenizer gain in each
+  of four runs with every seed better than CE only, where `lookahead_prefix_end` closed 55-88%
+  and lost to CE only on one seed (benchmarks/README.md, "`lookahead_split` on a third
+  corpus"). Between near and far, `lookahead_prefix_end` had been the choice (over 37 paired
+  seeds lower than the first piece on 27: where one student token spans several teacher
+  tokens, the first piece teaches a token the text does not use there). But it failed where the
+  split did not: at the cpu scale on Java sources it made every seed worse than CE only in
+  three runs (Llama-2's teacher at 80.7% and 81%, Mistral's at 85.3%, a share on the old bound
+  between the two groups), 3.1-3.6% behind the split on every seed, which closed 84% and 88%
+  of the gap in the two the bench compared; and on the pairs between the two were level (the demo's pair over 24 seeds, Qwen3 on Perl at the cpu scale over 10;
+  benchmarks/README.md, "The cpu scale's far pair with Mistral's tokenizer"). A bound between
+  far and between that a corpus can cross costs a user most where it is wrong, so there is
+  none. A tensor-parallel student gets the next best, `lookahead` (the prefix groups sum over
+  the whole student vocabulary, which tensor parallelism splits). A teacher read from a cache
+  gets the same targets as a live one: the cache holds every position's top-k, and the loader
+  reads the rows a target needs.
 
 A teacher with the student's tokenizer, or a loss without a projected target
 (`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do
@@ -60,17 +51,15 @@ import numpy as np
 
 from crossdistill.config import DISTRIBUTION_LOSSES, Config, TeacherConfig
 
-# share of KD positions where the first piece is right: at or below it, a far pair (above the
-# far pairs measured, up to 81%; the demo's pair, a pair between, falls at 82.5-92.1% by seed)
+# share of KD positions where the first piece is right: at or below it the reason calls the pair
+# far (Llama-2 and Mistral for a Llama-3 student: 68-81%); the target is the same either side
 FAR_PAIR_RIGHT = 0.85
-# at or above it, a near pair: the first piece
+# at or above it, a near pair: the first piece; under it, `SPLIT_TARGET`
 NEAR_PAIR_RIGHT = 0.95
-# what a far pair gets with a student without tensor parallelism
-FAR_TARGET = "lookahead_split"
-# what a pair between far and near gets with a student without tensor parallelism
-BETWEEN_TARGET = "lookahead_prefix_end"
-# a share this close to a bound may fall on its other side on other text of the same corpus
-# (Llama-2 on Java sources: 80.7% on the sample, 77.8% on the first 2 MB): the reason says so
+# what a pair that is not near gets with a student without tensor parallelism
+SPLIT_TARGET = "lookahead_split"
+# a share this close to the near bound may fall on its other side on other text of the same
+# corpus (Llama-2 on Java sources: 80.7% on the sample, 77.8% on the first 2 MB): the reason says so
 BOUND_MARGIN = 0.02
 # text read to measure a pair: tens of thousands of KD positions, small enough to tokenize at
 # every load on every rank
@@ -132,30 +121,26 @@ def choose_target(right: float | None, loss: str, tensor_parallel: bool) -> tupl
     if right is None:
         return "first_piece", "no training text to measure the pair on"
     share = f"the first piece is right at {right:.1%} of KD positions"
-    if right >= NEAR_PAIR_RIGHT:
-        return "first_piece", f"{share} (at least {NEAR_PAIR_RIGHT:.0%}): a near pair"
-    far = right <= FAR_PAIR_RIGHT
-    kind = (
-        f"{share} (at most {FAR_PAIR_RIGHT:.0%}): a far pair"
-        if far
-        else f"{share} (between {FAR_PAIR_RIGHT:.0%} and {NEAR_PAIR_RIGHT:.0%})"
-    )
-    target = FAR_TARGET if far else BETWEEN_TARGET
-    if tensor_parallel:
-        return "lookahead", f"{kind}; {target} does not take a tensor-parallel student"
     hint = near_a_bound(right)
-    return target, f"{kind}; {hint}" if hint else kind
+    if right >= NEAR_PAIR_RIGHT:
+        kind = f"{share} (at least {NEAR_PAIR_RIGHT:.0%}): a near pair"
+        return "first_piece", f"{kind}; {hint}" if hint else kind
+    name = "a far pair" if right <= FAR_PAIR_RIGHT else "between near and far"
+    kind = f"{share} (under {NEAR_PAIR_RIGHT:.0%}): {name}"
+    if tensor_parallel:
+        return "lookahead", f"{kind}; {SPLIT_TARGET} does not take a tensor-parallel student"
+    return SPLIT_TARGET, f"{kind}; {hint}" if hint else kind
 
 
 def near_a_bound(right: float) -> str:
-    """The comparison to run when `right` is within `BOUND_MARGIN` of the far bound; "" when
-    not. (Near the near bound the audit already says to compare the two targets.)"""
-    if abs(right - FAR_PAIR_RIGHT) > BOUND_MARGIN:
+    """The comparison to run when `right` is within `BOUND_MARGIN` of the near bound; "" when
+    not."""
+    if abs(right - NEAR_PAIR_RIGHT) > BOUND_MARGIN:
         return ""
     return (
-        f"within {BOUND_MARGIN * 100:.0f} points of the {FAR_PAIR_RIGHT:.0%} bound, where other "
+        f"within {BOUND_MARGIN * 100:.0f} points of the {NEAR_PAIR_RIGHT:.0%} bound, where other "
         "text can fall on its other side: compare both with `crossdistill bench quality "
-        f"--target {FAR_TARGET} --target {BETWEEN_TARGET}` on your corpus"
+        f"--target first_piece --target {SPLIT_TARGET}` on your corpus"
     )
 
 

@@ -165,7 +165,7 @@ def runs(base):
         # lookahead_prefix: the rows of lookahead, grouped on the student's side
         ("lookahead_prefix-colocated", (), 1, None, PREFIX),
         ("lookahead_prefix-separate", ("qwen",), 2, None, PREFIX),
-        # lookahead_prefix_end (`auto`'s target between near and far): lookahead_end's rows, grouped
+        # lookahead_prefix_end (what lookahead_split refines): lookahead_end's rows, grouped
         *_lookahead_cases("lookahead_prefix_end", pipeline=True, top_k=PREFIX_TOP_K),
         ("lookahead_prefix-wide-colocated", (), 1, None, {**PREFIX, "top_k": PREFIX_TOP_K}),
     ]

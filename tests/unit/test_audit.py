@@ -121,7 +121,7 @@ def test_bad_input_is_one_line(tokenizer_dir, tmp_path, capsys):
     assert np.isfinite(audit_pair(tok, tok, TEXTS[:1])["one_to_one_share"])
 
 
-def test_a_pair_between_near_and_far_gets_lookahead_prefix_end_and_says_to_compare():
+def test_a_pair_between_near_and_far_gets_the_split_and_says_to_compare():
     from crossdistill.train.audit import recommend
 
     def report(right):
@@ -133,16 +133,20 @@ def test_a_pair_between_near_and_far_gets_lookahead_prefix_end_and_says_to_compa
         }
 
     middle, warnings = recommend(report(0.88))
-    assert middle["target"] == "lookahead_prefix_end" and "88.0%" in middle["why"]
-    assert "--target first_piece --target lookahead_prefix_end" in middle["why"]
+    assert middle["target"] == "lookahead_split" and "88.0%" in middle["why"]
+    assert middle["why"].startswith("between near and far")
+    assert "--target first_piece --target lookahead_split" in middle["why"]
     assert not warnings
-    assert recommend(report(0.80))[0]["target"] == "lookahead_split"
-    assert recommend(report(0.85))[0]["target"] == "lookahead_split"
-    assert recommend(report(0.8501))[0]["target"] == "lookahead_prefix_end"
-    # near the far bound the audit warns that other text may fall on its other side
-    near, near_warnings = recommend(report(0.84))
-    assert near["target"] == "lookahead_split"
-    assert any("84.0%" in w and "--target lookahead_split --target lookahead_prefix_end" in w
-               for w in near_warnings)  # fmt: skip
-    assert recommend(report(0.9499))[0]["target"] == "lookahead_prefix_end"
+    for right in (0.80, 0.85, 0.8501, 0.853):
+        assert recommend(report(right))[0]["target"] == "lookahead_split"
+    assert recommend(report(0.85))[0]["why"].startswith("far pair")
+    assert recommend(report(0.8501))[0]["why"].startswith("between near and far")
+    # near the near bound the audit warns that other text may fall on its other side
+    for right, target in ((0.94, "lookahead_split"), (0.96, "first_piece")):
+        rec, near_warnings = recommend(report(right))
+        assert rec["target"] == target
+        assert any(f"{right:.1%}" in w and "--target first_piece --target lookahead_split" in w
+                   for w in near_warnings)  # fmt: skip
+    assert not any("95% bound" in w for w in recommend(report(0.84))[1])
+    assert recommend(report(0.9499))[0]["target"] == "lookahead_split"
     assert recommend(report(0.95))[0]["target"] == "first_piece"

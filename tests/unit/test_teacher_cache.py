@@ -160,7 +160,7 @@ def _cfg(corpus: Path, out: Path, tokenizer_dir, teachers: list[dict], **train) 
 
 def _teachers(checkpoints, **cache) -> list[dict]:
     # the target named, not `auto`: on this text Llama-2 is between near and far for the
-    # student, where `auto` takes lookahead_prefix_end live and the first piece from a cache
+    # student, where `auto` takes lookahead_split
     base = {"dtype": "float32", "top_k": 16, "target": "first_piece"}
     return [
         {"name": "llama2", "path": str(checkpoints["llama2"]), "loss": "forward_kl", **base},
@@ -247,7 +247,7 @@ def test_a_lookahead_target_reads_the_same_rows_from_the_cache_as_from_the_live_
 ):
     """The lookahead targets read the teacher's top-k at several rows per chunk, and past the
     end the row after it: the cache holds every position's, so training from it equals
-    training with the live teacher step for step. `auto` takes `lookahead_prefix_end` for this
+    training with the live teacher step for step. `auto` takes `lookahead_split` for this
     pair either way; `lookahead_mix` lays out its two parts from the same rows. (Every word of
     this corpus is one token on both sides, so the rows read are the KD row and the one past
     the end.)"""
