@@ -27,8 +27,9 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
   split did not: at the cpu scale on Java sources it made every seed worse than CE only in
   three runs (Llama-2's teacher at 80.7% and 81%, Mistral's at 85.3%, a share on the old bound
   between the two groups), 3.1-3.6% behind the split on every seed, which closed 84% and 88%
-  of the gap in the two the bench compared; and on the pairs between the two were level (the demo's pair over 24 seeds, Qwen3 on Perl at the cpu scale over 10;
-  benchmarks/README.md, "The cpu scale's far pair with Mistral's tokenizer"). A bound between
+  of the gap in the two the bench compared; and on the pairs between the two were level (the
+  demo's pair over 24 seeds, Qwen3 on Perl at the cpu scale over 10; benchmarks/README.md,
+  "The cpu scale's far pair with Mistral's tokenizer"). A bound between
   far and between that a corpus can cross costs a user most where it is wrong, so there is
   none. A tensor-parallel student gets the next best, `lookahead` (the prefix groups sum over
   the whole student vocabulary, which tensor parallelism splits). A teacher read from a cache
