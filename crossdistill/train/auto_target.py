@@ -60,7 +60,7 @@ NEAR_PAIR_RIGHT = 0.95
 # what a pair that is not near gets with a student without tensor parallelism
 SPLIT_TARGET = "lookahead_split"
 # a share this close to the near bound may fall on its other side on other text of the same
-# corpus (Llama-2 on Java sources: 80.7% on the sample, 77.8% on the first 2 MB): the reason says so
+# corpus (one pair's share moved 3 points between two samples of one corpus): the reason says so
 BOUND_MARGIN = 0.02
 # text read to measure a pair: tens of thousands of KD positions, small enough to tokenize at
 # every load on every rank
