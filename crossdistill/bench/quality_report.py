@@ -209,7 +209,8 @@ def summarize(
                 f"{spec.min_same_gain:.0%} (--min-same-gain): with a gap this small the "
                 "students' seed-to-seed noise weighs on every gap closed; read the gap closed "
                 "from the means and its interval, or give the teacher more to add "
-                "(--student-bytes: the students on less text; --teacher-steps)"
+                "(--teacher-steps; --student-bytes, the students on less text in epochs: a "
+                "larger gain, mostly a CE-only student that memorises, and seeds that scatter)"
             )
     return report
 

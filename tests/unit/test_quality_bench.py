@@ -149,6 +149,7 @@ def test_a_small_same_tokenizer_gain_is_compared_with_a_warning(tmp_path):
     (line,) = report["warnings"]
     assert report["refused"] is None and "gains 9.5% over CE only" in line
     assert "--min-same-gain" in line and "gap_closed" in report["cross"][0]
+    assert "--teacher-steps" in line and "--student-bytes" in line
     out = io.StringIO()
     print_table(report, file=out)
     assert "note: same-tokenizer KD gains 9.5%" in out.getvalue()
