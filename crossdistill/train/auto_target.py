@@ -9,32 +9,22 @@ The rule follows what `crossdistill bench quality` measured (benchmarks/README.m
 - **Near pairs** (right at `NEAR_PAIR_RIGHT` or more; Qwen3 and Phi-4-mini for a Llama-3
   student, 97-99%): `first_piece`. There it taught what same-tokenizer KD teaches, and in one
   run on two corpora `prefix`, `lookahead_prefix_end` and `gold` were level with it, not ahead.
-- **Every other pair** (under `NEAR_PAIR_RIGHT`): `lookahead_split`, the far pairs' target
-  (Llama-2 and Mistral for a Llama-3 student, 68-81% on five corpora) and the target of the
-  pairs between near and far (Qwen3 on Perl's numbers, 90%; Mistral on Java sources, 85%; the
-  demo's pair, 82-92% by seed). On far pairs the first piece made the student worse than CE
-  only; `lookahead_prefix` closed more of the gap than the context and lookahead targets, and
-  `lookahead_prefix_end` (the same, with the observed token's mass split past its end) more
-  than `lookahead_prefix`, on every paired seed of two corpora. `lookahead_split` is
-  `lookahead_prefix_end` with each other token's mass split between its exact student token and
-  its longer ones at a share counted on the run's text: over 40 paired seeds of three corpora
-  it was lower on 27 (-0.62% on average) and closed 82-90% of the same-tokenizer gain in each
-  of four runs with every seed better than CE only, where `lookahead_prefix_end` closed 55-88%
-  and lost to CE only on one seed (benchmarks/README.md, "`lookahead_split` on a third
-  corpus"). Between near and far, `lookahead_prefix_end` had been the choice (over 37 paired
-  seeds lower than the first piece on 27: where one student token spans several teacher
-  tokens, the first piece teaches a token the text does not use there). But it failed where the
-  split did not: at the cpu scale on Java sources it made every seed worse than CE only in
-  three runs (Llama-2's teacher at 80.7% and 81%, Mistral's at 85.3%, a share on the old bound
-  between the two groups), 3.1-3.6% behind the split on every seed, which closed 84% and 88%
-  of the gap in the two the bench compared; and on the pairs between the two were level (the
-  demo's pair over 24 seeds, Qwen3 on Perl at the cpu scale over 10; benchmarks/README.md,
-  "The cpu scale's far pair with Mistral's tokenizer"). A bound between
-  far and between that a corpus can cross costs a user most where it is wrong, so there is
-  none. A tensor-parallel student gets the next best, `lookahead` (the prefix groups sum over
-  the whole student vocabulary, which tensor parallelism splits). A teacher read from a cache
-  gets the same targets as a live one: the cache holds every position's top-k, and the loader
-  reads the rows a target needs.
+- **Every other pair** (under `NEAR_PAIR_RIGHT`): `lookahead_split`. That covers the far pairs
+  (Llama-2 and Mistral for a Llama-3 student, 68-81%) and the pairs between near and far (Qwen3
+  on Perl's numbers; Mistral on Java sources; the demo's pair). On far pairs the first piece
+  made the student worse than CE only; each lookahead refinement closed more of the gap:
+  `lookahead_prefix` (the student tokens that start with the teacher's bytes, as one group),
+  then `lookahead_prefix_end` (the observed token's mass split past its end), then
+  `lookahead_split` (each other token's mass split between its exact student token and its
+  longer ones, at a share counted on the run's text). Pairs between near and far once got
+  `lookahead_prefix_end`; it lost to CE only on every seed where a corpus put a pair near the
+  old 85% bound, while the split won those seeds, and the two were level on the pairs between.
+  A bound that a corpus can cross costs a user most where it is wrong, so there is none
+  (benchmarks/README.md, "`lookahead_split` on a third corpus" and "The cpu scale's far pair
+  with Mistral's tokenizer"). A tensor-parallel student gets the next best, `lookahead` (the
+  prefix groups sum over the whole student vocabulary, which tensor parallelism splits). A
+  teacher read from a cache gets the same targets as a live one: the cache holds every
+  position's top-k, and the loader reads the rows a target needs.
 
 A teacher with the student's tokenizer, or a loss without a projected target
 (`chunk_likelihood`, `uld`, `gold`, `hkl`), gets `first_piece`, the target having nothing to do

@@ -1,9 +1,9 @@
 """`teachers.N.target: auto` (the default): each teacher's target chosen at load from how its
 tokenizer pair aligns on the run's own training text.
 
-- `choose_target`: the rule at and around `NEAR_PAIR_RIGHT`, the far pairs' name at `FAR_PAIR_RIGHT`, what a
-  tensor-parallel student or a loss without a projected target changes, and a `why` that
-  names the share;
+- `choose_target`: the rule at and around `NEAR_PAIR_RIGHT`, the far pairs' name at
+  `FAR_PAIR_RIGHT`, what a tensor-parallel student or a loss without a projected target
+  changes, and a `why` that names the share;
 - `first_piece_right` on real tokenizers and text: near, far and identical pairs, and the same
   share `crossdistill audit` reports;
 - `sample_texts`: rows spread over each file, the byte budget, several files, bad rows, chat;
