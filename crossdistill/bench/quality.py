@@ -33,9 +33,11 @@ be followed while it goes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -219,30 +221,40 @@ def train_many(
     standard library's process pool, which this replaces, let every queued run train before it
     raised a run's error, named no run when one was killed, and can wait forever when a
     replacement worker fails to start: CPython gh-119592, fixed in 3.14.) A user error in a run
-    is raised as one, so it stays one line."""
+    is raised as one, so it stays one line.
+
+    A run also ends when this process does, however it ends (SIGTERM or SIGKILL included, where
+    no `finally` runs): each child holds the reading end of a pipe whose only writing end is
+    here, and leaves when that pipe closes. Otherwise a killed bench's runs would go on
+    training, and a rerun of the same command would train the same runs into the same folders
+    beside them."""
     import multiprocessing
     from multiprocessing.connection import wait
 
     context = multiprocessing.get_context("spawn")
     pending = list(cfgs.items())[::-1]
-    running: dict[Any, tuple[Any, Any, Any]] = {}  # sentinel -> (key, process, result pipe)
+    # sentinel -> (key, process, result pipe, lifeline: the pipe whose closing stops the run)
+    running: dict[Any, tuple[Any, Any, Any, Any]] = {}
     try:
         while pending or running:
             while pending and len(running) < jobs:
                 key, cfg = pending.pop()
                 receive, send = context.Pipe(duplex=False)
-                process = context.Process(target=_child_run, args=(run, to_dict(cfg), send))
+                held, lifeline = context.Pipe(duplex=False)
+                process = context.Process(target=_child_run, args=(run, to_dict(cfg), send, held))
                 process.start()
                 send.close()  # the child holds the only sending end: its exit ends the pipe
-                running[process.sentinel] = (key, process, receive)
+                held.close()  # and only the child reads the lifeline
+                running[process.sentinel] = (key, process, receive, lifeline)
             failure: Exception | None = None
             for sentinel in wait(list(running)):  # every run that ended since the last wait
-                key, process, receive = running.pop(sentinel)
+                key, process, receive, lifeline = running.pop(sentinel)
                 try:
                     result = receive.recv()  # sent before the process ended, or nothing
                 except EOFError:
                     result = None
                 receive.close()
+                lifeline.close()
                 process.join()
                 try:
                     value = _child_result(key, result, process.exitcode)
@@ -253,20 +265,26 @@ def train_many(
             if failure is not None:
                 raise failure
     finally:
-        for _, process, receive in running.values():
+        for _, process, receive, lifeline in running.values():
             process.terminate()
             receive.close()
-        for _, process, _ in running.values():
+            lifeline.close()
+        for _, process, _, _ in running.values():
             process.join(10)
             if process.is_alive():
                 process.kill()
                 process.join()
 
 
-def _child_run(run: Callable[[dict[str, Any]], float], raw: dict[str, Any], send: Any) -> None:
-    """A spawned process of `train_many`: one run, its result or its error sent back."""
+def _child_run(
+    run: Callable[[dict[str, Any]], float], raw: dict[str, Any], send: Any, lifeline: Any
+) -> None:
+    """A spawned process of `train_many`: one run, its result or its error sent back; it
+    exits at once when `lifeline` closes (the parent has ended)."""
+    import threading
     import traceback
 
+    threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
     try:
         message: tuple[str, Any] = ("ok", run(raw))
     except UserError as e:
@@ -276,6 +294,15 @@ def _child_run(run: Callable[[dict[str, Any]], float], raw: dict[str, Any], send
         message = ("error", "".join(lines)[-4000:])  # a pipe's buffer holds it whole
     send.send(message)
     send.close()
+
+
+def _exit_when_closed(lifeline: Any) -> None:
+    """Wait for `lifeline` to close (nothing is ever sent on it), then end this process: its
+    parent is gone, and nobody would read what the run gives. A rerun of the bench reuses the
+    finished runs and trains this one again."""
+    with contextlib.suppress(EOFError, OSError):
+        lifeline.recv()
+    os._exit(1)
 
 
 def _child_result(key: Any, message: tuple[str, Any] | None, exitcode: int | None) -> float:

@@ -162,3 +162,67 @@ def test_a_run_that_ends_with_a_failing_one_is_still_reported(tmp_path, order):
                 time.sleep(3.0)  # seeds 1 and 2 both end meanwhile
     assert got == [("seed 0", 0.0), ("seed 2", 2.0)]
     assert "ValueError: the loss is NaN at step 3" in str(err.value)
+
+
+_KILLED_PARENT = """
+import sys, time
+from pathlib import Path
+from crossdistill.bench.quality import train_many
+from crossdistill.config import Config
+
+
+def write_pid_and_sleep(raw):
+    import os
+    Path(raw["run"]["out_dir"]).write_text(str(os.getpid()))
+    time.sleep(600)
+    return 0.5
+
+
+if __name__ == "__main__":
+    from dataclasses import replace
+    cfgs = {}
+    for s in range(2):
+        cfg = Config()
+        cfgs[s] = replace(cfg, run=replace(cfg.run, out_dir=f"{sys.argv[1]}/pid{s}"))
+    dict(train_many(cfgs, 2, run=write_pid_and_sleep))
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (a zombie waiting for a parent that
+    does not reap it has exited)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_the_runs_end_when_the_bench_is_killed(tmp_path, sig):
+    """A bench killed from outside (no `finally` runs) takes its runs with it, instead of
+    leaving them to train into the folders a rerun is about to use."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "bench.py"
+    script.write_text(_KILLED_PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    try:
+        pidfiles = [tmp_path / f"pid{s}" for s in range(2)]
+        deadline = time.monotonic() + 120
+        while not all(p.is_file() and p.read_text() for p in pidfiles):
+            assert time.monotonic() < deadline and parent.poll() is None, "the runs never started"
+            time.sleep(0.05)
+        children = [int(p.read_text()) for p in pidfiles]
+        assert all(_running(pid) for pid in children)
+        parent.send_signal(sig)
+        parent.wait(30)
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_running(pid) for pid in children), "runs left running"
+    finally:
+        parent.kill()
+        parent.wait()
