@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -203,9 +205,6 @@ def _running(pid: int) -> bool:
 def test_the_runs_end_when_the_bench_is_killed(tmp_path, sig):
     """A bench killed from outside (no `finally` runs) takes its runs with it, instead of
     leaving them to train into the folders a rerun is about to use."""
-    import subprocess
-    import sys
-
     script = tmp_path / "bench.py"
     script.write_text(_KILLED_PARENT)
     parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
