@@ -58,6 +58,8 @@ CheckpointScope = Literal["block", "mlp", "selective"]
 CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 # the chunks that get a KD term (`TeacherConfig.kd_chunks`)
 KDChunks = Literal["all", "single_side"]
+# which continuations the step past a student token's end moves (`TeacherConfig.past_end`)
+PastEnd = Literal["all", "canonical"]
 # the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
 CEWithoutKD = Literal["ratio", "full"]
 # how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
@@ -165,6 +167,14 @@ class TeacherConfig(ModelConfig):
     # target gives the teacher's probability of it (`benchmarks/bpb_by_class.py` splits a
     # run's held-out bits by chunk kind); with one tokenizer every chunk is one token each
     kd_chunks: KDChunks = "all"
+    # the targets that read past the student token's end (`lookahead_end`, `lookahead_prefix_end`,
+    # `lookahead_split`, ...) move the mass of the teacher's continuation x of the observed token
+    # to the student's longer token that spells both: "all" for every such x; "canonical" only
+    # where the teacher's tokenizer writes x after its last token t as a token of its own (it has
+    # no token for t then x): mass a teacher gives a split its tokenizer never writes stays with
+    # the observed token (benchmarks/README.md, "The step past the end on a split the teacher
+    # never writes"). With identical tokenizers "canonical" moves nothing
+    past_end: PastEnd = "all"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
     cache: str | None = None

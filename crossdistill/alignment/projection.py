@@ -387,6 +387,33 @@ def joins_of(bytes_t: TokenBytes, bytes_s: TokenBytes) -> np.ndarray:
     return out[np.lexsort((out[:, 1], out[:, 0]))]
 
 
+def own_joins(tok) -> np.ndarray:
+    """`[J, 3]` int64 rows `(a, x, v)`: token v's bytes are token a's followed by token x's, all
+    three tokens of `tok` (every id of each byte string, special tokens left out), sorted by
+    `(a, x)`: the pairs of tokens that `tok`'s own tokenizer writes as one token."""
+    return own_joins_of(TokenBytes.from_tokenizer(tok))
+
+
+def own_joins_of(table: TokenBytes) -> np.ndarray:
+    """`own_joins` from a byte table."""
+    ids: dict[bytes, list[int]] = {}
+    for t, data in enumerate(table.pieces()):
+        if data and not table.special[t]:
+            ids.setdefault(data, []).append(t)
+    rows = [
+        (a, x, v)
+        for data, vs in ids.items()
+        for cut in range(1, len(data))
+        for a in ids.get(data[:cut], ())
+        for x in ids.get(data[cut:], ())
+        for v in vs[:1]
+    ]
+    if not rows:
+        return np.zeros((0, 3), dtype=np.int64)
+    out = np.asarray(rows, dtype=np.int64)
+    return out[np.lexsort((out[:, 1], out[:, 0]))]
+
+
 def relaxed_matches(tok_t, tok_s, forward: Projection | None = None) -> np.ndarray:
     """`[V_t]` int64: the `hkl` loss's one-to-one pairing of teacher and student tokens (the
     relaxed common vocabulary of X-Token's hybrid KL), −1 for a teacher token left unpaired.

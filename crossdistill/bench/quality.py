@@ -52,6 +52,7 @@ from crossdistill.bench.quality_spec import (
     QualitySpec,
     Scale,
     cell_settings,
+    target_parts,
     target_terms,
 )
 from crossdistill.config import (
@@ -63,6 +64,7 @@ from crossdistill.config import (
     to_dict,
 )
 from crossdistill.errors import RunFailed, UserError
+from crossdistill.losses.target_kinds import target_kind
 
 SAME_LOSS = "forward_kl"  # the same-tokenizer reference: plain top-k KL, nothing to project
 
@@ -348,12 +350,23 @@ class Experiment:
         for label in self.labels.values():
             for loss, target in cell_settings(spec.losses, spec.targets):
                 suffix = "" if target == TeacherConfig.target else f"-{target}"
-                for ratio, chunks, ce, warmup in itertools.product(
-                    spec.kd_ratios, spec.kd_chunks, spec.ce_without_kd, spec.kd_warmup_steps
+                # past_end changes only a target that reads past the end (or `auto`, which
+                # may choose one)
+                reads = target == "auto" or any(
+                    target_kind(part).past_end for part in target_parts(target)
+                )
+                for ratio, chunks, ce, warmup, end in itertools.product(
+                    spec.kd_ratios,
+                    spec.kd_chunks,
+                    spec.ce_without_kd,
+                    spec.kd_warmup_steps,
+                    spec.past_end if reads else [TeacherConfig.past_end],
                 ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
                         name += f"-{chunks}"
+                    if end != TeacherConfig.past_end:
+                        name += f"-past_end_{end}"
                     if ce != TrainConfig.ce_without_kd:
                         name += f"-ce_{ce}"
                     if warmup != TrainConfig.kd_warmup_steps:
@@ -361,7 +374,17 @@ class Experiment:
                     if ratio != reference:
                         name += f"-kd{ratio:g}"
                     self.cells.append(
-                        Cell(name, label, loss, target, chunks, ce, warmup, kd_ratio=ratio)
+                        Cell(
+                            name,
+                            label,
+                            loss,
+                            target,
+                            chunks,
+                            ce,
+                            warmup,
+                            kd_ratio=ratio,
+                            past_end=end,
+                        )
                     )
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
         self.teacher_seed_bpb: dict[str, dict[int, float]] = {}
@@ -554,7 +577,9 @@ class Experiment:
             terms = target_terms(cell.target)
             for name, target in terms:
                 entry = self._teacher_entry(cell.teacher, teacher_seed, cell.loss, target)
-                teachers.append({**entry, "name": name, "kd_chunks": cell.kd_chunks})
+                teachers.append(
+                    {**entry, "name": name, "kd_chunks": cell.kd_chunks, "past_end": cell.past_end}
+                )
                 if len(terms) > 1:  # one KD term per target, the weight shared equally
                     teachers[-1]["weight"] = 1 / len(terms)
         folder = f"seed{seed}" + (f"-teacher{teacher_seed}" if teacher_seed else "")
@@ -614,6 +639,7 @@ class Experiment:
             "losses": self.spec.losses,
             "targets": self.spec.targets,
             "kd_chunks": self.spec.kd_chunks,
+            "past_end": self.spec.past_end,
             "ce_without_kd": self.spec.ce_without_kd,
             "kd_warmup_steps": self.spec.kd_warmup_steps,
             "kd_ratios": self.spec.kd_ratios,

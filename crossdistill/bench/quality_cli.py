@@ -16,7 +16,15 @@ from crossdistill.bench.quality import Experiment
 from crossdistill.bench.quality_corpus import PIECE_BYTES
 from crossdistill.bench.quality_report import plot_report, print_table
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size
-from crossdistill.config import LOSSES, TARGETS, CEWithoutKD, KDChunks, TeacherConfig, TrainConfig
+from crossdistill.config import (
+    LOSSES,
+    TARGETS,
+    CEWithoutKD,
+    KDChunks,
+    PastEnd,
+    TeacherConfig,
+    TrainConfig,
+)
 from crossdistill.data.cli import add_text_field_arg
 from crossdistill.errors import UserError
 
@@ -83,6 +91,7 @@ def add_parser(subparsers) -> None:
     )
     for flag, choices, setting, default in (
         ("--kd-chunks", KDChunks, "teachers.N.kd_chunks", TeacherConfig.kd_chunks),
+        ("--past-end", PastEnd, "teachers.N.past_end", TeacherConfig.past_end),
         ("--ce-without-kd", CEWithoutKD, "train.ce_without_kd", TrainConfig.ce_without_kd),
     ):
         p.add_argument(
@@ -227,6 +236,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         losses=list(dict.fromkeys(args.loss or [TeacherConfig.loss])),
         targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
         kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
+        past_end=list(dict.fromkeys(args.past_end or [TeacherConfig.past_end])),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
         kd_ratios=list(dict.fromkeys(args.kd_ratio or [TrainConfig.kd_ratio])),

@@ -28,6 +28,7 @@ class Cell:
     ce_without_kd: str = TrainConfig.ce_without_kd
     kd_warmup_steps: int = TrainConfig.kd_warmup_steps
     kd_ratio: float = TrainConfig.kd_ratio
+    past_end: str = TeacherConfig.past_end
 
 
 def summarize(
@@ -145,6 +146,7 @@ def summarize(
             "loss": cell.loss,
             "target": cell.target,
             "kd_chunks": cell.kd_chunks,
+            "past_end": cell.past_end,
             "ce_without_kd": cell.ce_without_kd,
             "kd_warmup_steps": cell.kd_warmup_steps,
             "kd_ratio": cell.kd_ratio,
@@ -353,6 +355,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" ({entry['target']}: {entry['chosen_target']})"
         if entry["kd_chunks"] != TeacherConfig.kd_chunks:
             label += f" kd_chunks {entry['kd_chunks']}"
+        if entry.get("past_end", TeacherConfig.past_end) != TeacherConfig.past_end:
+            label += f" past_end {entry['past_end']}"
         if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
             label += f" ce_without_kd {entry['ce_without_kd']}"
         if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):

@@ -15,6 +15,7 @@ from crossdistill.config import (
     TARGETS,
     CEWithoutKD,
     KDChunks,
+    PastEnd,
     TeacherConfig,
     TrainConfig,
 )
@@ -227,6 +228,9 @@ class QualitySpec:
     targets: list[str] = field(default_factory=lambda: [TeacherConfig.target])
     # the cross cells' `kd_chunks`: each cross cell runs under each
     kd_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.kd_chunks])
+    # the cross cells' `past_end` (the targets that read past the student token's end): each
+    # cross cell runs under each
+    past_end: list[str] = field(default_factory=lambda: [TeacherConfig.past_end])
     # the cross cells' `train.ce_without_kd`: each cross cell runs under each
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
@@ -270,6 +274,7 @@ class QualitySpec:
                 raise UserError(f"--target {name}: a target twice; name each target once")
         for flag, names, kind in (
             ("--kd-chunks", self.kd_chunks, KDChunks),
+            ("--past-end", self.past_end, PastEnd),
             ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),
         ):
             choices = get_args(kind)

@@ -186,7 +186,10 @@ def project_lookahead(
     mass = torch.where(live, mass, NEG_INF)
     for d in range(1, depth):
         if past_end:
-            ending = _end_step(ending, label, ids[:, d], lp[:, d], projection, entries, values)
+            last = obs[:, d - 1]  # the chunk's last teacher token, where `ending` holds mass
+            ending = _end_step(
+                ending, label, last, ids[:, d], lp[:, d], projection, entries, values
+            )
         a_d, a_next = chain[:, d], chain[:, d + 1]
         is_obs = (ids[:, d] == obs[:, d : d + 1]) & (obs[:, d : d + 1] >= 0)
         joined = projection.joins.lookup(a_d.unsqueeze(-1), ids[:, d])
@@ -284,6 +287,7 @@ def _with_groups(
 def _end_step(
     ending: Tensor,
     label: Tensor,
+    last: Tensor,
     ids: Tensor,
     lp: Tensor,
     projection: VocabProjection,
@@ -292,10 +296,15 @@ def _end_step(
 ) -> Tensor:
     """`lookahead_end` at one depth: the mass `ending [C]` that reached the observed student
     token `label` one position earlier moves `ending·p(x)` to the student token spelling label
-    then x, for every top-k entry x `[C, K]` with one; the label keeps the rest. Appends the
+    then x, for every top-k entry x `[C, K]` with one; the label keeps the rest. With the
+    projection's `teacher_joins` (`past_end: canonical`), an x that the teacher's tokenizer
+    joins with the chunk's last teacher token `last [C]` into one token does not move: the
+    teacher never writes that split, so its mass there is not the text going on. Appends the
     entries and returns a fresh `ending` (nothing waits past this depth)."""
     joined = projection.joins.lookup(label.unsqueeze(-1), ids)
     move = (ending > NEG_INF).unsqueeze(-1) & (joined >= 0) & (lp > NEG_INF)
+    if projection.teacher_joins is not None:
+        move = move & (projection.teacher_joins.lookup(last.unsqueeze(-1), ids) < 0)
     entries.append(torch.where(move, joined, -1))
     values.append(torch.where(move, ending.unsqueeze(-1) + lp, NEG_INF))
     kept = ending + _log1m_exp(torch.where(move, lp, NEG_INF).logsumexp(-1))

@@ -30,6 +30,8 @@ from crossdistill.losses.projection import (
 from crossdistill.losses.targets import TeacherTargets
 
 NEG_INF = float("-inf")
+# the one parameter a divergence takes (`KDTerm.params`); the others take none
+LOSS_PARAM = {"jsd": "beta", "skew_kl": "alpha"}
 
 
 @dataclass
@@ -305,7 +307,7 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         rest_t = torch.where(paired_t, NEG_INF, tg.topk_logprobs).sort(-1, descending=True).values
         rest = Part("l1", _to_rows(rest_t, rows, valid, n, NEG_INF), exclude=pairs.images())
         return [common, rest]
-    params = {k: float(v) for k, v in term.params.items() if k in ("beta", "alpha")}
+    params = {k: float(v) for k, v in term.params.items() if k == LOSS_PARAM.get(term.loss)}
     if proj.groups is not None and term.lookahead is None:  # the byte-prefix target: groups
         g = proj.groups
         b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, g.teacher_event)

@@ -41,6 +41,10 @@ class VocabProjection:
     groups: PrefixGroups | None = None  # the byte-prefix target's groups (`teachers.N.target`)
     joins: Joins | None = None  # the lookahead target's table (`teachers.N.target`)
     matched: Tensor | None = None
+    # `teachers.N.past_end: canonical`: the teacher tokens that join into one teacher token
+    # (`Joins` over the teacher's vocabulary on both sides); the step past a student token's end
+    # moves no mass of a continuation the teacher's tokenizer would have joined to its last token
+    teacher_joins: Joins | None = None
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
@@ -134,6 +138,7 @@ class VocabProjection:
             move(self.groups),
             move(self.joins),
             move(self.matched),
+            move(self.teacher_joins),
         )
 
 

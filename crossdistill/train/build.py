@@ -107,6 +107,11 @@ def build_projection_for(
 
         rows = torch.from_numpy(build_joins(tok_t, tok_s)).to(device)
         out.joins = Joins.from_rows(rows, rows_t, rows_s)
+    if kind.past_end and tcfg.past_end == "canonical":
+        from crossdistill.alignment.projection import own_joins
+
+        rows = torch.from_numpy(own_joins(tok_t)).to(device)
+        out.teacher_joins = Joins.from_rows(rows, rows_t, rows_t)
     return out
 
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from crossdistill.alignment.projection import joins_of
+from crossdistill.alignment.projection import joins_of, own_joins_of
 from crossdistill.alignment.token_bytes import TokenBytes
 from crossdistill.losses import (
     Joins,
@@ -93,12 +93,15 @@ def reference(
     depth: int,
     past_end: bool = False,
     skip: frozenset[int] = frozenset(),
+    canonical: bool = False,
 ):
     """The target of one chunk, walked plainly: `logp[d]` the teacher's full log-probs at depth
     d (τ = 1), its top-k the k largest; `obs` the chunk's teacher tokens; `label` the student's
     token (−1: none); `past_end`: the `lookahead_end` target (`logp[len(obs)]`, where there is
     one, is the teacher's position after the chunk); `skip`: teacher ids other than `obs[0]`
-    whose depth-0 mass is left out (the caller places it)."""
+    whose depth-0 mass is left out (the caller places it); `canonical`: past the end, a
+    continuation whose bytes with the chunk's last teacher token's are a teacher token does not
+    move (`past_end: canonical`)."""
     out: dict = defaultdict(float)
     top = [sorted(range(len(row)), key=lambda x: -row[x])[:k] for row in logp]
     p = [[math.exp(v) for v in row] for row in logp]
@@ -132,6 +135,8 @@ def reference(
         moved = 0.0
         for x in top[d]:
             longer = toy.s_id.get(toy.student[label] + toy.teacher[x])
+            if canonical and toy.teacher[obs[-1]] + toy.teacher[x] in toy.teacher:
+                continue  # a split the teacher's tokenizer never writes
             if longer is not None:
                 out[longer] += mass * p[d][x]
                 moved += p[d][x]
@@ -228,6 +233,59 @@ def test_matches_plain_reference(seed, depth, past_end):
             project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), len(toy.student)
         )
         assert ((got - plain).abs().sum(-1) > 1e-12).any()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("depth", [2, 3])
+def test_canonical_end_step_matches_plain_reference(seed, depth):
+    """`past_end: canonical`: past the end, a continuation x that the teacher's tokenizer
+    joins with the chunk's last teacher token into one of its tokens stays with the label."""
+    toy, k = Toy(seed), 4
+    rows = [r for r in toy_chunks(toy, seed, 120, depth) if len(r[1]) <= depth]
+    ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    single = torch.ones(len(rows), dtype=torch.bool)
+    every = _from_buckets(
+        project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, single),
+        len(toy.student),
+    )
+    own = torch.from_numpy(own_joins_of(TokenBytes.from_pieces(toy.teacher)))
+    toy.proj.teacher_joins = Joins.from_rows(own, len(toy.teacher), len(toy.teacher))
+    got = _from_buckets(
+        project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, single),
+        len(toy.student),
+    )
+    for c, (label, o, lp) in enumerate(rows):
+        want = reference(toy, lp.tolist(), k, o, label, depth, True, canonical=True)
+        torch.testing.assert_close(got[c], dense(want, len(toy.student)), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(got.sum(-1), torch.ones(len(rows), dtype=F64))
+    changed = (got - every).abs().sum(-1) > 1e-12
+    assert 0 < int(changed.sum()) < len(rows)  # the draw has splits of both kinds
+
+
+def test_canonical_end_step_moves_nothing_with_one_vocabulary():
+    """With the student's vocabulary on both sides every longer token that spells the label
+    then x is a token of the teacher's too, so `past_end: canonical` moves nothing: the end
+    step gives the target without it."""
+    toy, k, depth = Toy(0), 8, 2
+    toy.teacher = list(toy.student)
+    n = len(toy.student)
+    toy.proj = VocabProjection.from_first_piece(
+        torch.arange(n), n, exact=torch.ones(n, dtype=torch.bool)
+    )
+    table = TokenBytes.from_pieces(toy.student)
+    toy.proj.joins = Joins.from_rows(torch.from_numpy(joins_of(table, table)), n, n)
+    rows = [r for r in toy_chunks(toy, 0, 400, depth) if len(r[1]) == 1]
+    ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    single = torch.ones(len(rows), dtype=torch.bool)
+    every = project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, single)
+    assert (
+        _from_buckets(every, n)
+        - _from_buckets(project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest), n)
+    ).abs().sum() > 1e-6  # every split moves: a teacher that splits what it never writes
+    toy.proj.teacher_joins = Joins.from_rows(torch.from_numpy(own_joins_of(table)), n, n)
+    got = project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, single)
+    plain = project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest)
+    torch.testing.assert_close(_from_buckets(got, n), _from_buckets(plain, n), rtol=0, atol=0)
 
 
 def test_depth_limit_and_missing_prefixes_split_like_the_context_target():
@@ -359,6 +417,43 @@ def test_real_joins_spell_their_student_token(real_tokenizer):
         (a,) = tok_s.encode(head, add_special_tokens=False)
         x = next(i for i, p in enumerate(pieces_t) if p == tail.encode())
         assert int(joins.lookup(torch.tensor([a]), torch.tensor([x]))) == v
+
+
+def test_own_joins_of_a_real_tokenizer_and_the_projection_that_takes_them(real_tokenizer):
+    """`own_joins` on Qwen3's tokenizer: every row spells its token; ` get` then `attr` is
+    ` getattr`, one token Qwen3 writes, while two digits are two tokens it never joins. The
+    projection carries the table for a target past the end under `past_end: canonical` only."""
+    from dataclasses import replace
+
+    from crossdistill.alignment.projection import own_joins
+    from crossdistill.config import TeacherConfig
+    from crossdistill.train.build import build_projection_for
+
+    tok_t, tok_s = real_tokenizer("qwen3"), real_tokenizer("llama3")
+    rows = own_joins(tok_t)
+    pieces = TokenBytes.from_tokenizer(tok_t).pieces()
+    assert len(rows) > 100_000
+    for a, x, v in rows[:: max(1, len(rows) // 3000)].tolist():
+        assert pieces[v] == pieces[a] + pieces[x]
+    own = Joins.from_rows(torch.from_numpy(rows), len(pieces), len(pieces))
+
+    def one(text: str) -> int:
+        (i,) = tok_t.encode(text, add_special_tokens=False)
+        return i
+
+    assert int(own.lookup(torch.tensor([one(" get")]), torch.tensor([one("attr")]))) == one(
+        " getattr"
+    )
+    assert int(own.lookup(torch.tensor([one("1")]), torch.tensor([one("2")]))) == -1
+    base = TeacherConfig(path="unused", target="lookahead_end")
+    n_t, n_s = len(tok_t), len(tok_s)
+    for tcfg, has in (
+        (base, False),
+        (replace(base, past_end="canonical"), True),
+        (replace(base, target="lookahead", past_end="canonical"), False),
+    ):
+        proj = build_projection_for(tcfg, tok_t, tok_s, n_t, n_s, torch.device("cpu"))
+        assert (proj.teacher_joins is not None) == has
 
 
 def test_a_run_with_the_lookahead_target_trains_and_differs_from_context(tmp_path, tokenizer_dir):

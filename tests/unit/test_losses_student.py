@@ -3,6 +3,7 @@ here (Python loops over chunks and tokens), plus gradcheck and the invariances i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -249,6 +250,21 @@ def test_matches_plain_float64_reference(loss, tau):
         assert abs(got.item() - want.item()) <= 1e-10 * abs(want.item())
         assert rel(got_h, gh) < 1e-10 and rel(got_w, gw) < 1e-10
         assert metrics[f"kd/{loss}"] > 0  # the term is really there
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_a_term_with_every_parameter_as_training_builds_it(loss):
+    """Training gives every term both `beta` and `alpha` (`runtime.make_term`); each divergence
+    takes its own and the others none, so both backends give what a term with only its own
+    parameter gives (the reference path once passed `beta` to `forward_kl`)."""
+    hidden, weight, labels, terms = terms_for(loss, seed=2)
+    own = run("chunked", hidden, weight, labels, terms)[0]
+    both = {"beta": 0.3, "alpha": 0.2}
+    built = [dataclasses.replace(terms[0], params=both)]
+    for backend in ("chunked", "reference"):
+        got = run(backend, hidden, weight, labels, built)[0]
+        assert torch.isfinite(got)
+        assert abs(got.item() - own.item()) <= 1e-10 * abs(own.item())
 
 
 @pytest.mark.parametrize(

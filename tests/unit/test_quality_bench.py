@@ -327,9 +327,8 @@ def test_auto_is_resolved_and_reported_for_the_projected_losses_only(tmp_path, t
     assert exp.chosen == {"cross-llama2-forward_kl": "lookahead_split"}
 
 
-def _quick_cells(tmp_path, tokenizer_dir, *flags: str):
-    """`bench quality FLAGS` at the quick scale, GPT-2 student and Llama-2 teacher at the first
-    piece, with its corpus written and Llama-2's tokenizer folder standing in for its trained
+def _quick_cells(tmp_path, tokenizer_dir, *flags: str, target: str = "first_piece"):
+    """`bench quality FLAGS` at the quick scale, GPT-2 student and Llama-2 teacher at `target`, with its corpus written and Llama-2's tokenizer folder standing in for its trained
     teacher: (spec, experiment, the student's model entry), for building run configs."""
     from pathlib import Path
 
@@ -338,7 +337,7 @@ def _quick_cells(tmp_path, tokenizer_dir, *flags: str):
     teacher_tok = str(tokenizer_dir("llama2"))
     spec = replace(parsed_spec(tmp_path, *flags), student_tokenizer=str(tokenizer_dir("gpt2")),
                    teacher_tokenizers=[teacher_tok], scale_name="quick", scale=SCALES["quick"],
-                   seeds=2, targets=["first_piece"])  # fmt: skip
+                   seeds=2, targets=[target])  # fmt: skip
     exp = Experiment(spec, log=lambda _: None)
     exp.teacher_jobs()  # writes the corpus the runs' configs name; trains nothing
     exp.teacher_paths[("llama2", 0)] = Path(teacher_tok)
@@ -380,6 +379,43 @@ def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, toke
         replace(spec, kd_chunks=["both"]).check()
     with pytest.raises(UserError, match="unknown --ce-without-kd 'half'; use one of ratio, full"):
         replace(spec, ce_without_kd=["half"]).check()
+
+
+def test_past_end_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
+    """`--past-end all --past-end canonical`: each cross cell runs under each, the option
+    reaches the run's teacher, the report names it; a run saved before the option existed is the
+    default's; a target that does not read past the end runs once; an unknown value is refused
+    in one line."""
+    from crossdistill.train.demo import _saved_config
+
+    spec, exp, student = _quick_cells(tmp_path, tokenizer_dir, "--past-end", "all", "--past-end",
+                                      "canonical", target="lookahead_split")  # fmt: skip
+    assert spec.past_end == ["all", "canonical"]
+    base = "cross-llama2-forward_kl-lookahead_split"
+    names = [cell.name for cell in exp.cells]
+    assert names == ["ce", "same", base, f"{base}-past_end_canonical"]
+    runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
+    assert runs[base].teachers[0].past_end == "all"
+    assert runs[f"{base}-past_end_canonical"].teachers[0].past_end == "canonical"
+    assert runs["same"].teachers[0].past_end == "all"
+    saved = tmp_path / "config.json"
+    raw = to_dict(runs[base])
+    raw["teachers"][0].pop("past_end")
+    saved.write_text(json.dumps(raw))
+    assert _saved_config(saved) == to_dict(runs[base])
+    cells = [c for c in exp.cells if c.teacher is not None]
+    results = {"ce": {0: 2.0, 1: 2.1}, "same": {(0, 0): 1.8, (0, 1): 1.9}}
+    results |= {c.name: {(0, 0): 1.85, (0, 1): 1.95} for c in cells[1:]}
+    report = summarize({"gpt2": 1.5, "llama2": 1.5}, results, exp.cells, "gpt2", spec)
+    assert [e["past_end"] for e in report["cross"]] == ["all", "canonical"]
+    buffer = io.StringIO()
+    print_table(report, file=buffer)
+    assert "past_end canonical" in buffer.getvalue()
+    _, first, _ = _quick_cells(tmp_path / "first", tokenizer_dir, "--past-end", "all",
+                               "--past-end", "canonical")  # fmt: skip
+    assert [c.name for c in first.cells] == ["ce", "same", "cross-llama2-forward_kl-first_piece"]
+    with pytest.raises(UserError, match="unknown --past-end 'some'; use one of all, canonical"):
+        replace(spec, past_end=["some"]).check()
 
 
 def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):

@@ -1,0 +1,297 @@
+"""How far each target puts a cross teacher from a model of the student's own tokenizer: at every
+KD position of a `bench quality` run's held-out text, the KD loss (forward KL over the target's
+buckets) that a student would pay if it were the run's same-tokenizer teacher, split by the kind
+of chunk.
+
+    python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
+        [--past-end all --past-end canonical] [--student RUN ...] [--json FILE] [--device cpu]
+
+OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
+teacher stands in for the student a perfect distillation would give: a target that makes it pay
+where it is right pulls a student away from it there, which the held-out bits of the students
+(`bpb_by_class.py`) then show as a loss. `--student RUN` adds a finished student run folder (or
+any model folder with the student's tokenizer) as a second stand-in, to read the numbers against
+a model that did not see the teacher.
+
+A target's buckets are what it compares: a group of student tokens is one bucket, so a target
+with groups compares less and its numbers are lower for that alone. Compare targets class by
+class, and read a class where two targets differ by much more than the groups can hide (the
+groups hold the teacher's *other* tokens, a few percent of the mass at a right first piece).
+
+Chunks are classed as `bpb_by_class.py` classes them (text: digits / whitespace / other; align:
+one_to_one / student_longer / student_shorter / many) at their KD position. Numbers are nats per
+KD position of the class, means over the held-out text; `share` is the class's share of the KD
+positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bpb_by_class import (  # noqa: E402
+    ALIGN_KINDS,
+    TEXT_CLASSES,
+    chunk_classes,
+    held_out,
+    teacher_folder,
+    text_class_of_tokens,
+)
+
+
+def classes_by_row(chunks: np.ndarray, text: np.ndarray, align: np.ndarray, rows: int):
+    """`[rows]` text and align class of the chunk whose KD position each student row is (−1:
+    none)."""
+    t = np.full(rows, -1, dtype=np.int64)
+    a = np.full(rows, -1, dtype=np.int64)
+    s0 = chunks[:, 0]
+    ok = (s0 > 0) & (chunks[:, 2] > 0)
+    t[s0[ok] - 1] = text[ok]
+    a[s0[ok] - 1] = align[ok]
+    return t, a
+
+
+def class_masks(text: np.ndarray, align: np.ndarray) -> dict[str, np.ndarray]:
+    """Per class name, the mask of the entries (rows or chunks) of that class, from their text
+    and align classes (−1: none): every text class, every align kind, and the one-to-one and
+    student-longer kinds within each text class."""
+    out = {"all": text >= 0}
+    out |= {f"text/{c}": text == j for j, c in enumerate(TEXT_CLASSES)}
+    out |= {f"align/{c}": align == j for j, c in enumerate(ALIGN_KINDS)}
+    out |= {
+        f"{c}/{a}": (text == j) & (align == k)
+        for j, c in enumerate(TEXT_CLASSES)
+        for k, a in enumerate(ALIGN_KINDS)
+        if a in ("one_to_one", "student_longer")
+    }
+    return out
+
+
+@torch.no_grad()
+def hidden_and_head(model: torch.nn.Module, side: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """A model's final hidden states `[B·T, H]` on one side of a batch, and its lm_head."""
+    from crossdistill.models.attention import segments_of
+    from crossdistill.models.forward import final_hidden
+
+    dev = next(model.parameters()).device
+    ids, pos = side.input_ids.to(dev), side.position_ids.to(dev)
+    hidden = final_hidden(model, ids, pos, segments_of(side, dev)).flatten(0, 1).float()
+    return hidden, model.get_output_embeddings().weight.float()
+
+
+def term_of(tcfg: Any, projection: Any, tb: Any, hidden_t, head_t, device) -> Any:
+    """Teacher `tcfg`'s KD term on batch side `tb`, as a training step builds it."""
+    from crossdistill.distributed.runtime import make_term
+    from crossdistill.losses.target_kinds import reads_past_end, target_depth
+    from crossdistill.losses.targets import target_rows, teacher_targets
+
+    depth = target_depth(tcfg.target, False)
+    rows = target_rows(tb.chunks.to(device), depth, reads_past_end(tcfg.target, False))
+    targets = teacher_targets(
+        hidden_t, head_t, rows, tb.labels.to(device).flatten(), tcfg.top_k, tcfg.temperature
+    )
+    targets.depth = depth
+    term = make_term(SimpleNamespace(cfg=tcfg, projection=projection), tb, targets, device)
+    term.denominator = torch.ones((), device=device)
+    return term
+
+
+def row_losses(term: Any, labels, hidden_s, head_s) -> np.ndarray:
+    """`[N]` float64: the term's KD loss at each student row with the stand-in's `hidden_s`,
+    `head_s` (NaN on rows without KD): the plain full-logits reference, each row's value read
+    as the gradient of the total by that row's weight."""
+    from crossdistill.losses.plan import build_plan
+    from crossdistill.losses.reference import reference_loss
+
+    plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
+    plan.ce_weight = torch.zeros_like(plan.ce_weight)
+    tp = plan.terms[0]
+    kd = tp.report_weight > 0
+    weight = kd.to(torch.float64).requires_grad_(True)
+    tp.row_weight = weight
+    loss = reference_loss(hidden_s, head_s, plan)[0]
+    (per_row,) = torch.autograd.grad(loss, weight)
+    return torch.where(kd, per_row, float("nan")).numpy()
+
+
+@torch.no_grad()
+def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dict[str, np.ndarray]:
+    """At each chunk of one student token whose next teacher token is in the text: of the
+    teacher's top-k mass at the position after the chunk's last teacher token, the part the
+    step past the end (`lookahead_end` and the targets after it) moves to a longer student token
+    (`moved`), the part of that whose teacher token x the teacher's own tokenizer would have
+    joined with its last token t into one token t·x (`moved_joined`: mass on a split that
+    tokenizer does not write), and all such mass (`joined`). Per chunk `[C]`, NaN where the
+    step does not apply."""
+    from crossdistill.losses.targets import teacher_targets
+
+    chunks = tb.chunks.long()
+    s0, s1, t0, t1 = chunks.unbind(-1)
+    ids_s, ids_t = sb.input_ids.flatten().long(), tb.input_ids.flatten().long()
+    labels_t = tb.labels.flatten().long()
+    last = (t1 - 1).clamp(min=0)
+    ok = (s1 - s0 == 1) & (t1 > t0) & (s0 > 0) & (labels_t[last] >= 0)
+    rows = torch.where(ok, last, -1)
+    tg = teacher_targets(hidden_t, head_t, rows, labels_t, top_k)
+    ids, p = tg.topk_ids.long(), tg.topk_logprobs.double().exp()
+    joined_s = joins_s.lookup(ids_s[s0.clamp(min=0)].unsqueeze(-1), ids) >= 0
+    joined_t = joins_t.lookup(ids_t[last].unsqueeze(-1), ids) >= 0
+    nan = torch.full_like(p[:, 0], float("nan"))
+    return {
+        "moved": torch.where(ok, (p * joined_s).sum(-1), nan).numpy(),
+        "moved_joined": torch.where(ok, (p * (joined_s & joined_t)).sum(-1), nan).numpy(),
+        "joined": torch.where(ok, (p * joined_t).sum(-1), nan).numpy(),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", type=Path, help="the --out folder of a bench quality run")
+    ap.add_argument("--target", action="append", required=True, help="a target to measure")
+    ap.add_argument("--student", action="append", type=Path, default=[],
+                    help="another stand-in for the student: a run or model folder")  # fmt: skip
+    ap.add_argument("--past-end", action="append", choices=["all", "canonical"],
+                    help="teachers.N.past_end of the targets that read past the end (repeatable: "
+                    "one column each; default all)")  # fmt: skip
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--batches", type=int, default=0, help="at most this many (0: all)")
+    args = ap.parse_args(argv)
+    from dataclasses import replace
+
+    from crossdistill.config import Config, TeacherConfig, from_dict
+    from crossdistill.eval.model import load_eval_model
+    from crossdistill.losses.target_kinds import target_kind
+    from crossdistill.models import load_tokenizer
+    from crossdistill.train.build import build_projection_for
+
+    for t in args.target:
+        target_kind(t)  # an unknown name: one line listing the targets
+    args.past_end = list(dict.fromkeys(args.past_end or ["all"]))
+    summary = json.loads((args.out / "summary.json").read_text())
+    same = summary["same_tokenizer"]
+    ce_runs = sorted((args.out / "students" / "ce").glob("seed*/config.json"))
+    if same not in summary.get("teacher_runs", {}) or not ce_runs:
+        sys.exit(f"{args.out} has no finished same-tokenizer teacher and CE-only student yet")
+    config = json.loads(ce_runs[0].read_text())
+    data = from_dict(Config, config).data
+    dev = torch.device(args.device)
+    stand_ins = {"same_teacher": teacher_folder(summary["teacher_runs"][same])}
+    for folder in args.student:
+        stand_ins[folder.name if folder.name != "final" else folder.parent.name] = (
+            folder / "final" if (folder / "final" / "config.json").is_file() else folder
+        )
+    models = {k: load_eval_model(str(v), args.device).model for k, v in stand_ins.items()}
+    table: dict[str, Any] = {"out": str(args.out), "teachers": {}}
+    for label, info in summary["teacher_runs"].items():
+        if label == same:
+            continue
+        tok_t = load_tokenizer(info["tokenizer"])
+        tok_s, batches = held_out(config, [info["tokenizer"]])
+        batches = batches[: args.batches] if args.batches else batches
+        text_class = text_class_of_tokens(tok_s)
+        teacher = load_eval_model(str(teacher_folder(info)), args.device).model
+        rows_t = teacher.get_output_embeddings().weight.shape[0]
+        rows_s = next(iter(models.values())).get_output_embeddings().weight.shape[0]
+        base = TeacherConfig(path=str(teacher_folder(info)), top_k=64)
+        tcfgs = {
+            t if end == "all" else f"{t} {end}": replace(base, target=t, past_end=end)
+            for t in args.target
+            for end in (args.past_end if target_kind(t).past_end else ["all"])
+        }
+        projections = {
+            t: build_projection_for(c, tok_t, tok_s, rows_t, rows_s, dev, data=data)
+            for t, c in tcfgs.items()
+        }
+        from crossdistill.alignment.projection import build_joins, own_joins
+        from crossdistill.losses.projection import Joins
+
+        joins_s = Joins.from_rows(torch.from_numpy(build_joins(tok_t, tok_s)), rows_t, rows_s)
+        joins_t = Joins.from_rows(torch.from_numpy(own_joins(tok_t)), rows_t, rows_t)
+        sums: dict[str, dict[str, dict[str, list[float]]]] = {}
+        ends: dict[str, dict[str, list[float]]] = {}
+        for i, b in enumerate(batches):
+            sb, tb = b.student, b.teachers[0]
+            n = sb.input_ids.numel()
+            chunks = tb.chunks.numpy()
+            text, align = chunk_classes(chunks, sb.input_ids.flatten().numpy(), text_class)
+            t_row, a_row = classes_by_row(chunks, text, align, n)
+            row_class = class_masks(t_row, a_row)
+            hidden_t, head_t = hidden_and_head(teacher, tb)
+            by_chunk = class_masks(text, align)
+            mass = end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, base.top_k)
+            for name, mask in by_chunk.items():
+                m = mask & ~np.isnan(mass["moved"])
+                acc = ends.setdefault(name, {k: [0.0, 0] for k in mass})
+                for k, v in mass.items():
+                    acc[k][0] += float(v[m].sum())
+                    acc[k][1] += int(m.sum())
+            labels = sb.labels.flatten().to(dev)
+            stand = {who: hidden_and_head(model, sb) for who, model in models.items()}
+            for t, tcfg in tcfgs.items():
+                term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
+                for who, (hidden_s, head_s) in stand.items():
+                    per_row = row_losses(term, labels, hidden_s, head_s)
+                    cell = sums.setdefault(who, {}).setdefault(t, {})
+                    for name, mask in row_class.items():
+                        m = mask & ~np.isnan(per_row)
+                        acc = cell.setdefault(name, [0.0, 0])
+                        acc[0] += float(per_row[m].sum())
+                        acc[1] += int(m.sum())
+            print(f"[fidelity] {label}: batch {i + 1}/{len(batches)}", file=sys.stderr)
+        table["teachers"][label] = {
+            who: {
+                t: {
+                    name: {"nats": v / max(c, 1), "share": c / max(cells["all"][1], 1)}
+                    for name, (v, c) in cells.items()
+                }
+                for t, cells in per_t.items()
+            }
+            for who, per_t in sums.items()
+        }
+        table["end_step"] = {
+            label: {
+                name: {k: v / max(c, 1) for k, (v, c) in acc.items()}
+                | {"share": acc["moved"][1] / max(ends["all"]["moved"][1], 1)}
+                for name, acc in ends.items()
+            }
+        }
+    print_table(table)
+    if args.json:
+        args.json.write_text(json.dumps(table, indent=2) + "\n")
+
+
+def print_table(table: dict[str, Any]) -> None:
+    for label, rows in table.get("end_step", {}).items():
+        print(f"\nteacher {label}, at the position after a chunk of one student token: its "
+              "top-k mass the step past the end moves to a longer student token, the part of "
+              "that on a split its own tokenizer does not write, and all mass on such splits")  # fmt: skip
+        print(f"  {'class':28s} {'share':>7s} {'moved':>8s} {'moved, not written':>19s} "
+              f"{'not written':>12s}")  # fmt: skip
+        for name, r in rows.items():
+            print(f"  {name:28s} {r['share']:7.1%} {r['moved']:8.4f} {r['moved_joined']:19.4f} "
+                  f"{r['joined']:12.4f}")  # fmt: skip
+    for label, per_who in table["teachers"].items():
+        for who, per_t in per_who.items():
+            targets = list(per_t)
+            print(f"\nteacher {label}, the student stood in for by {who}: KD loss, nats per KD "
+                  "position of each class")  # fmt: skip
+            print(f"  {'class':28s} {'share':>7s} " + " ".join(f"{t:>20s}" for t in targets))
+            for name in per_t[targets[0]]:
+                share = per_t[targets[0]][name]["share"]
+                vals = " ".join(f"{per_t[t][name]['nats']:20.4f}" for t in targets)
+                print(f"  {name:28s} {share:7.1%} {vals}")
+
+
+if __name__ == "__main__":
+    main()
