@@ -60,6 +60,8 @@ CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 KDChunks = Literal["all", "single_side"]
 # which continuations the step past a student token's end moves (`TeacherConfig.past_end`)
 PastEnd = Literal["all", "canonical"]
+# the share unseen teacher tokens are drawn toward by `lookahead_split` (`TeacherConfig.split_prior`)
+SplitPrior = Literal["boundaries", "tokens"]
 # the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
 CEWithoutKD = Literal["ratio", "full"]
 # how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
@@ -175,6 +177,13 @@ class TeacherConfig(ModelConfig):
     # the observed token (benchmarks/README.md, "The step past the end on a split the teacher
     # never writes"). With identical tokenizers "canonical" moves nothing
     past_end: PastEnd = "all"
+    # `lookahead_split` draws each teacher token's counted share toward a share over all tokens
+    # (`train.short_share`): "boundaries", the share over every boundary counted; "tokens", the
+    # mean of the seen tokens' shares, each token once, so that a few frequent tokens that split
+    # unlike the rest (digits, where the student writes up to three as one token) do not set the
+    # share of every rare token (benchmarks/README.md, "The step past the end on a split the
+    # teacher never writes, and the split's prior")
+    split_prior: SplitPrior = "boundaries"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
     cache: str | None = None

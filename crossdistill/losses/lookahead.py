@@ -29,6 +29,14 @@ has a token spelling s then x (the text's own next token included), goes to that
 the rest (the other entries and the tail). Without it, every student token that extends a
 teacher token is short of that mass at every position.
 
+Under `teachers.N.past_end: canonical` the end step moves nothing for an x that the teacher's
+own tokenizer joins with the chunk's last teacher token t into one token (`teacher_joins`): the
+teacher writes t·x as one token, so where it reads t then x it is on a split it never saw, and
+its `p(x)` there is not the text going on. A small teacher gives such splits mass all the same
+(Qwen3's teachers of `bench quality`'s cpu scale: `benchmarks/target_fidelity.py`), which the
+plain end step hands to the student's longer token. With identical tokenizers every such x is
+one the teacher joins, so the step moves nothing.
+
 `lookahead_prefix` keeps the lookahead target along the observed path and changes where the
 KD position's other entries go. The first piece gives an alternative x ≠ `t_0` whole to the
 student token spelling x, though `p(x)` also covers the student's longer tokens that start with

@@ -91,7 +91,7 @@ def build_projection_for(
     if kind.groups:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         if kind.split:
-            share, counted = _short_share(tcfg.name, tok_s, tok_t, data, out, first_t)
+            share, counted = _short_share(tcfg, tok_s, tok_t, data, out, first_t)
             if notes is not None:
                 notes.append(counted)
             out.groups = PrefixGroups.split_from_first_pieces(
@@ -116,7 +116,12 @@ def build_projection_for(
 
 
 def _short_share(
-    name: str, tok_s, tok_t, data: DataConfig | None, proj: VocabProjection, first_t: torch.Tensor
+    tcfg: TeacherConfig,
+    tok_s,
+    tok_t,
+    data: DataConfig | None,
+    proj: VocabProjection,
+    first_t: torch.Tensor,
 ) -> tuple[torch.Tensor, str]:
     """`lookahead_split`'s share `[rows_t]` of each teacher token's mass for its exact student
     token (`train.short_share`), counted on a sample of the training text, and a line saying
@@ -134,8 +139,8 @@ def _short_share(
     texts = sample_texts(data, SAMPLE_BYTES)
     short, longer = boundary_counts(tok_s, tok_t, texts, spelled, first_t.numpy())
     sampled = sum(len(t.encode()) for t in texts)
-    return torch.from_numpy(short_shares(short, longer)), describe_counts(
-        name, short, longer, sampled
+    return torch.from_numpy(short_shares(short, longer, tcfg.split_prior)), describe_counts(
+        tcfg.name, short, longer, sampled
     )
 
 

@@ -158,6 +158,21 @@ def test_shares_are_drawn_toward_the_overall_share():
     assert (short_shares(np.zeros(3, int), np.zeros(3, int)) == 0.5).all()
 
 
+def test_the_tokens_prior_weighs_each_seen_token_once():
+    """`split_prior: tokens`: one frequent token that splits unlike the rest (a digit, nearly
+    always a longer student token) no longer sets the share of the tokens never seen."""
+    short = np.array([100, 0, 2, 0])
+    longer = np.array([0, 900, 0, 0])
+    boundaries = short_shares(short, longer)
+    assert boundaries[3] == pytest.approx(102 / 1002)
+    tokens = short_shares(short, longer, "tokens")
+    overall = (1.0 + 0.0 + 1.0) / 3
+    want = (short + PRIOR_COUNT * overall) / (short + longer + PRIOR_COUNT)
+    np.testing.assert_allclose(tokens, want, rtol=1e-15)
+    assert tokens[3] == pytest.approx(overall) and tokens[2] > boundaries[2]
+    assert (short_shares(np.zeros(3, int), np.zeros(3, int), "tokens") == 0.5).all()
+
+
 def test_the_log_line_says_what_was_counted():
     short, longer = np.array([30, 0, 1, 0]), np.array([10, 20, 0, 0])
     line = describe_counts("t", short, longer, 1000)
