@@ -34,8 +34,10 @@ own tokenizer joins with the chunk's last teacher token t into one token (`teach
 teacher writes t·x as one token, so where it reads t then x it is on a split it never saw, and
 its `p(x)` there is not the text going on. A small teacher gives such splits mass all the same
 (Qwen3's teachers of `bench quality`'s cpu scale: `benchmarks/target_fidelity.py`), which the
-plain end step hands to the student's longer token. With identical tokenizers every such x is
-one the teacher joins, so the step moves nothing.
+plain end step hands to the student's longer token: 1.7% of the mass after a one-to-one chunk
+of Perl's text, too little to move its students (under 0.03%; benchmarks/README.md, "The step
+past the end on a split the teacher never writes"), so it is an option, off by default. With
+identical tokenizers every such x is one the teacher joins, so the step moves nothing.
 
 `lookahead_prefix` keeps the lookahead target along the observed path and changes where the
 KD position's other entries go. The first piece gives an alternative x ≠ `t_0` whole to the
