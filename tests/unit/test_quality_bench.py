@@ -522,13 +522,30 @@ def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
     assert (train, val) == split_pieces(list(pieces), train_bytes=10**9, val_bytes=10**9)
     assert val and train and not set(train) & set(val)
     assert len(train) + len(val) == len(set(pieces))
-    capped, _ = split_pieces(pieces, train_bytes=100_000, val_bytes=10**9)
-    assert sum(len(p.encode()) for p in capped) < 100_000 + PIECE_BYTES
+    capped, held = split_pieces(pieces, train_bytes=1_000_000, val_bytes=50_000)
+    assert sum(len(p.encode()) for p in capped + held) < 1_050_000 + PIECE_BYTES
     with pytest.raises(UserError, match="too small"):
         split_pieces(pieces[:2], train_bytes=10**9, val_bytes=10**9)
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": "  "}) + "\n")
     with pytest.raises(UserError, match="no text documents"):
         corpus_pieces([str(tmp_path / "empty.jsonl")])
+
+
+def test_the_held_out_pieces_are_drawn_from_the_whole_training_stretch():
+    """A corpus whose text changes along its length (prose, then tables of numbers, as a
+    library's files in order) holds out both, in about their shares of the text trained on,
+    and about `val_bytes` of it; filling the held-out text first would take it all from the
+    prose."""
+    prose = [f"piece {i}: " + "words of a plain sentence, " * 50 + "\n" for i in range(1500)]
+    tables = [f"{i:05d} " + "0x1f3a 0x2b4c 0x3d5e 0x4f60 " * 50 + "\n" for i in range(1500)]
+    pieces = prose + tables
+    size = sum(len(p.encode()) for p in pieces)
+    train, val = split_pieces(pieces, train_bytes=size - 100_000, val_bytes=100_000)
+    n_val = sum(len(p.encode()) for p in val)
+    assert 50_000 < n_val < 150_000
+    in_tables = sum(p in set(tables) for p in val) / len(val)
+    assert 0.25 < in_tables < 0.75
+    assert not set(train) & set(val) and len(train) + len(val) == len(pieces)
 
 
 def test_corpus_rows_that_are_not_text_are_named_and_the_text_field_is_chosen(tmp_path):
