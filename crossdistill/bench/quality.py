@@ -1,8 +1,10 @@
 """`crossdistill bench quality`: does distillation across tokenizers teach as much as distillation
 from a teacher with the student's own tokenizer? A controlled experiment on a corpus.
 
-1. The corpus is cut into pieces and split once into training and held-out text (the split does
-   not depend on the seed, so every run is scored on the same bytes).
+1. The corpus is cut into pieces and split once into training and held-out text, each piece of
+   the stretch read held out by its hash (`quality_corpus.split_pieces`): the held-out text is a
+   sample of the text trained on, and the split does not depend on the seed, so every run is
+   scored on the same bytes.
 2. Teachers, one per `--teacher-tokenizer` plus one on the student's tokenizer (the
    same-tokenizer reference): the same architecture, the same steps, the same bytes of text per
    step (each teacher's sequence length is scaled by its tokenizer's bytes per token on this
