@@ -56,18 +56,22 @@ def test_chunk_classes_by_hand():
     assert shifted(np.array([5.0, 6.0, 7.0])).tolist() == [0.0, 5.0, 6.0]
 
 
-@pytest.fixture(scope="module")
-def batches(tmp_path_factory, tokenizer_dir):
-    d = tmp_path_factory.mktemp("byclass")
-    corpus = d / "val.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
+def packed_held_out(folder: Path, tokenizer_dir, texts: list[str]):
+    """`texts` as a held-out file, packed by `held_out` for a GPT-2 student with a Llama-2
+    teacher's chunks: (the student's tokenizer, the batches)."""
+    corpus = folder / "val.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     config = {
         "student": {"arch": "tiny-llama", "tokenizer": str(tokenizer_dir("gpt2"))},
         "data": {"train": [str(corpus)], "validation": [str(corpus)], "seq_len": 64,
                  "micro_batch_size": 2},
     }  # fmt: skip
-    tok_s, batches = held_out(config, [str(tokenizer_dir("llama2"))])
-    return tok_s, batches
+    return held_out(config, [str(tokenizer_dir("llama2"))])
+
+
+@pytest.fixture(scope="module")
+def batches(tmp_path_factory, tokenizer_dir):
+    return packed_held_out(tmp_path_factory.mktemp("byclass"), tokenizer_dir, TEXTS)
 
 
 def test_every_partition_adds_up_to_the_whole_on_real_aligned_batches(batches):
@@ -97,6 +101,25 @@ def test_every_partition_adds_up_to_the_whole_on_real_aligned_batches(batches):
     assert by_s["align"]["one_to_one"] > 0 and by_s["align"]["student_shorter"] > 0
 
 
+@torch.no_grad()
+def per_document_logprobs(model, side):
+    """Each label of a packed batch side, scored by running the model on its document alone in
+    float64: (flat index of the position that predicts it, the label, that position's
+    log-probabilities)."""
+    for b in range(side.input_ids.shape[0]):
+        doc = side.doc_ids[b]
+        for d in doc.unique().tolist():
+            if d < 0:
+                continue
+            where = (doc == d).nonzero().flatten()
+            logits = model(side.input_ids[b, where][None]).logits[0].double()
+            lp = torch.log_softmax(logits, -1)
+            for i, p in enumerate(where.tolist()):
+                label = int(side.labels[b, p])
+                if label >= 0:
+                    yield b * side.input_ids.shape[1] + p, label, lp[i]
+
+
 def test_token_bits_are_the_models_nll_in_float64(batches):
     from crossdistill.models import build_causal_lm
 
@@ -109,20 +132,9 @@ def test_token_bits_are_the_models_nll_in_float64(batches):
     ).eval()  # fmt: skip
     sb = batches[0].student
     got = token_bits(model, sb, rows=37)  # rows that do not divide the batch
-    with torch.no_grad():
-        want = np.zeros(sb.labels.numel())
-        for b in range(sb.input_ids.shape[0]):
-            doc = sb.doc_ids[b]
-            for d in doc.unique().tolist():
-                if d < 0:
-                    continue
-                where = (doc == d).nonzero().flatten()
-                logits = model(sb.input_ids[b, where][None]).logits[0].double()
-                lp = torch.log_softmax(logits, -1)
-                for i, p in enumerate(where.tolist()):
-                    label = int(sb.labels[b, p])
-                    if label >= 0:
-                        want[b * sb.input_ids.shape[1] + p + 1] = -float(lp[i, label]) / math.log(2)
+    want = np.zeros(sb.labels.numel())
+    for at, label, lp in per_document_logprobs(model, sb):
+        want[at + 1] = -float(lp[label]) / math.log(2)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 

@@ -4,14 +4,14 @@ over real packed batches (GPT-2 student, Llama-2 teacher)."""
 
 from __future__ import annotations
 
-import json
 import math
 
 import numpy as np
 import torch
 
-from benchmarks.bpb_by_class import TEXT_CLASSES, held_out, text_class_of_tokens
+from benchmarks.bpb_by_class import TEXT_CLASSES, text_class_of_tokens
 from benchmarks.label_mass import label_mass
+from tests.unit.test_bpb_by_class import packed_held_out, per_document_logprobs
 
 TEXTS = [
     'my $total = 12345;\n        print "sum: $total\\n";\n',
@@ -23,14 +23,7 @@ TEXTS = [
 def test_label_mass_against_float64_by_document(tmp_path, tokenizer_dir):
     from crossdistill.models import build_causal_lm
 
-    corpus = tmp_path / "val.jsonl"
-    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
-    config = {
-        "student": {"arch": "tiny-llama", "tokenizer": str(tokenizer_dir("gpt2"))},
-        "data": {"train": [str(corpus)], "validation": [str(corpus)], "seq_len": 64,
-                 "micro_batch_size": 2},
-    }  # fmt: skip
-    tok_s, batches = held_out(config, [str(tokenizer_dir("llama2"))])
+    tok_s, batches = packed_held_out(tmp_path, tokenizer_dir, TEXTS)
     rows = 50304
     classes = np.full(rows, TEXT_CLASSES.index("other"), dtype=np.int8)
     classes[: len(tok_s)] = text_class_of_tokens(tok_s)
@@ -46,29 +39,17 @@ def test_label_mass_against_float64_by_document(tmp_path, tokenizer_dir):
 
     want = {"bits": 0.0, "digit": 0.0, "unspelled": 0.0, "unspelled_other": 0.0}
     n = digit_labels = 0
-    with torch.no_grad():
-        for batch in batches:
-            sb = batch.student
-            for b in range(sb.input_ids.shape[0]):
-                doc = sb.doc_ids[b]
-                for d in doc.unique().tolist():
-                    if d < 0:
-                        continue
-                    where = (doc == d).nonzero().flatten()
-                    logits = model(sb.input_ids[b, where][None]).logits[0].double()
-                    p = torch.softmax(logits, -1)
-                    for i, pos in enumerate(where.tolist()):
-                        label = int(sb.labels[b, pos])
-                        if label < 0:
-                            continue
-                        if digit[label]:
-                            digit_labels += 1
-                            continue
-                        n += 1
-                        want["bits"] += -math.log2(float(p[i, label]))
-                        want["digit"] += float(p[i, digit].sum())
-                        want["unspelled"] += float(p[i, unspelled].sum())
-                        want["unspelled_other"] += float(p[i, unspelled & ~digit].sum())
+    for batch in batches:
+        for _, label, lp in per_document_logprobs(model, batch.student):
+            if digit[label]:
+                digit_labels += 1
+                continue
+            p = lp.exp()
+            n += 1
+            want["bits"] += -float(lp[label]) / math.log(2)
+            want["digit"] += float(p[digit].sum())
+            want["unspelled"] += float(p[unspelled].sum())
+            want["unspelled_other"] += float(p[unspelled & ~digit].sum())
     assert digit_labels > 0 and n > 50  # the texts have numbers, and they are left out
     assert got["positions"] == n
     for key, value in want.items():
