@@ -9,7 +9,8 @@ tokens and on the student tokens the cross teacher's tokenizer does not spell as
 tokens the prefix groups of `lookahead_prefix_end` and `lookahead_split` hold), with the
 non-digit part of those apart. A target that teaches the groups' members too much mass leaves
 it on them where the text does not go there. Written for Perl's near pair, whose training text
-is 16% digits (benchmarks/README.md, "The groups on Perl's near pair").
+is 16% digits (benchmarks/README.md, "The groups on Perl's near pair, and the held-out text
+from the whole of the training stretch").
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bpb_by_class import TEXT_CLASSES, held_out, text_class_of_tokens  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bpb_by_class import TEXT_CLASSES, held_out, text_class_of_tokens  # noqa: E402
 
 
 def model_folders(out: Path, seed: str, same: str, summary: dict) -> dict[str, Path]:

@@ -79,8 +79,8 @@ def split_pieces(
     start: a corpus of files in order (a library by path) changes along its length, and a
     held-out text from its first part alone is another text than the one trained on (Perl's
     library held out 1.2% digits from its first 2 MB against the 16% of the 6 MB trained on;
-    benchmarks/README.md, "The groups on Perl's near pair, and the held-out text from the whole of the
-    training stretch")."""
+    benchmarks/README.md, "The groups on Perl's near pair, and the held-out text from the whole
+    of the training stretch")."""
     read: list[str] = []
     total = 0
     for piece in pieces:

@@ -543,7 +543,8 @@ def test_the_held_out_pieces_are_drawn_from_the_whole_training_stretch():
     train, val = split_pieces(pieces, train_bytes=size - 100_000, val_bytes=100_000)
     n_val = sum(len(p.encode()) for p in val)
     assert 50_000 < n_val < 150_000
-    in_tables = sum(p in set(tables) for p in val) / len(val)
+    table_pieces = set(tables)
+    in_tables = sum(p in table_pieces for p in val) / len(val)
     assert 0.25 < in_tables < 0.75
     assert not set(train) & set(val) and len(train) + len(val) == len(pieces)
 
