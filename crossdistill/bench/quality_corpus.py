@@ -43,6 +43,19 @@ class CorpusReader:
         note = self.documents.note()
         return None if note is None else f"[quality] {note}"
 
+    def unread_note(self, num_bytes: int) -> str | None:
+        """A warning naming the corpus files the read of `num_bytes` never reached; None when
+        it reached them all."""
+        unread = self.documents.unread()
+        if not unread:
+            return None
+        return (
+            f"[quality] warning: {', '.join(unread)} not read: the corpus files are read in "
+            f"order, and the {num_bytes / 1e6:.1f} MB this scale takes (training and held-out "
+            "text) came from the files before; to have every file in the experiment, mix their "
+            "documents into one corpus file, or name the one you need first"
+        )
+
 
 def corpus_pieces(
     corpora: list[str], text_field: str = "text", log: Callable[[str], None] | None = None
@@ -115,12 +128,15 @@ def write_corpus(
     """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
     folder, so nothing trained on the old one is reused); returns it and the training texts.
     With `student_bytes` the students' share of the training text is written beside them
-    (`share_path`). `text_field` is `CorpusReader`'s; `log` hears how many rows it skipped."""
+    (`share_path`). `text_field` is `CorpusReader`'s; `log` hears how many rows it skipped and
+    which corpus files it never reached."""
     if corpora:
         reader = CorpusReader(corpora, text_field)
         train, val = split_pieces(reader, train_bytes, val_bytes)
-        if log is not None and (note := reader.note()) is not None:
-            log(note)
+        if log is not None:
+            for note in (reader.note(), reader.unread_note(train_bytes + val_bytes)):
+                if note is not None:
+                    log(note)
     else:
         from crossdistill.train.demo_assets import stdlib_corpus
 

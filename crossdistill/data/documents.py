@@ -148,6 +148,7 @@ class TextDocuments:
         self.paths, self.field = paths, field
         self.rows = 0  # rows read, blank JSONL lines left out
         self.skipped: list[tuple[str, str]] = []  # (where, reason) of rows that are not text
+        self.opened = 0  # files reached by the last read, in order
         self.sources = []
         for path in paths:
             try:
@@ -156,9 +157,10 @@ class TextDocuments:
                 raise e.for_command_line() from None
 
     def __iter__(self) -> Iterator[str]:
-        self.rows, self.skipped = 0, []
+        self.rows, self.skipped, self.opened = 0, [], 0
         found = False
-        for source in self.sources:
+        for i, source in enumerate(self.sources):
+            self.opened = i + 1
             for start, stop in source.groups():
                 for lo in range(start, stop, self.READ_ROWS):
                     hi = min(stop, lo + self.READ_ROWS)
@@ -180,6 +182,11 @@ class TextDocuments:
                 f"text rows (a JSONL field or Parquet column named {self.field!r}: name yours "
                 "with --text-field; or plain UTF-8 text files)"
             )
+
+    def unread(self) -> list[str]:
+        """The files the last read stopped before reaching (the consumer took enough from the
+        ones before them)."""
+        return self.paths[self.opened :]
 
     def note(self) -> str | None:
         """How many of the rows read were skipped, and why the first was; None when none."""

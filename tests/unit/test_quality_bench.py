@@ -25,6 +25,7 @@ from crossdistill.bench.quality_corpus import (
     corpus_pieces,
     split_pieces,
     spread_pieces,
+    write_corpus,
 )
 from crossdistill.bench.quality_report import Cell, gap_of_means, print_table, summarize
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, cell_settings, teacher_shape
@@ -625,6 +626,31 @@ def test_a_corpus_is_read_only_as_far_as_the_split_takes_it(tmp_path, monkeypatc
     reader = CorpusReader([str(path)])
     assert split_pieces(reader, 200_000, 50_000) == split_pieces(everything, 200_000, 50_000)
     assert 0 < reader.rows <= max(read_up_to) < len(docs) // 5  # about 1 MB of the 31 MB
+
+
+def test_a_corpus_file_the_read_never_reaches_is_named(tmp_path):
+    """Corpus files are read in order, as far as the split takes: a later file the scale's bytes
+    never reach is named in a warning, not dropped in silence; one that is reached is not."""
+
+    def write(name: str, n: int) -> str:
+        path = tmp_path / name
+        rows = ({"text": f"# {name} {i}\n" + f"x_{i} = {i}\n" * 300} for i in range(n))
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    big, small, last = write("big.jsonl", 400), write("small.jsonl", 40), write("last.jsonl", 40)
+    heard: list[str] = []
+    write_corpus(
+        tmp_path / "a", [big, last], train_bytes=300_000, val_bytes=30_000, log=heard.append
+    )
+    warned = [line for line in heard if "warning" in line]
+    assert len(warned) == 1 and last in warned[0] and big not in warned[0], heard
+    assert "0.3 MB" in warned[0] and "name the one you need first" in warned[0]
+    heard.clear()
+    write_corpus(
+        tmp_path / "b", [small, last], train_bytes=300_000, val_bytes=30_000, log=heard.append
+    )
+    assert not [line for line in heard if "warning" in line], heard
 
 
 def test_text_field_reaches_the_spec_and_an_empty_one_is_refused(tmp_path):
