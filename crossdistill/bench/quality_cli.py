@@ -49,8 +49,8 @@ def add_parser(subparsers) -> None:
         action="append",
         default=[],
         metavar="PATH",
-        help="JSONL / text / Parquet / Arrow corpus, compressed or not (repeatable; default: the "
-        "demo's corpus)",
+        help="JSONL / text / Parquet / Arrow corpus, compressed or not (repeatable: the files are "
+        "read in order, as far as the scale's bytes; default: the demo's corpus)",
     )
     add_text_field_arg(p, "text_field")
     p.add_argument("--student-tokenizer", required=True, metavar="DIR")
