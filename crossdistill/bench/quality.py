@@ -628,7 +628,10 @@ class Experiment:
 
     def report(self) -> dict[str, Any]:
         """The summary so far, also written to OUT/summary.json."""
-        report = summarize(self.teachers, self.runs, self.cells, self.same_label, self.spec)
+        report = summarize(
+            self.teachers, self.runs, self.cells, self.same_label, self.spec,
+            self.teacher_seed_bpb,
+        )  # fmt: skip
         for entry in report["cross"]:
             if entry["cell"] in self.chosen:
                 entry["chosen_target"] = self.chosen[entry["cell"]]

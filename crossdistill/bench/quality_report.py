@@ -37,6 +37,7 @@ def summarize(
     cells: list[Cell],
     same_label: str,
     spec: Any,
+    teacher_seed_bpb: dict[str, dict[int, float]] | None = None,
 ) -> dict[str, Any]:
     """The report from the finished runs (`runs[cell][seed]` = held-out bits per byte) under the
     thresholds of `spec` (a `quality.QualitySpec`, which imports this module). A KD cell's runs
@@ -51,9 +52,12 @@ def summarize(
     (`entry["refused"]`, no `gap_closed`) when its teacher is more than `max_teacher_spread`
     from the same-tokenizer teacher or not `min_teacher_gain` better than the CE-only student.
 
-    `warnings` (lines) when a comparison is made but says less than it seems: same-tokenizer
-    KD gains less than `min_same_gain` over CE only (paired over seeds, `same_kd.change_vs_ce`),
-    so the students' seed-to-seed noise weighs on every gap closed.
+    `warnings` (lines) when a result says less than it seems: same-tokenizer KD gains less
+    than `min_same_gain` over CE only (paired over seeds, `same_kd.change_vs_ce`), so the
+    students' seed-to-seed noise weighs on every gap closed; or one tokenizer's teachers
+    (`teacher_seed_bpb[label][teacher seed]`, when trained from several seeds) ended further
+    apart than `max_teacher_spread`, so whether a pair is compared turns on the teacher seeds as
+    much as on the tokenizers.
 
     Under several KD weights each cross cell's gap closed is against the same-tokenizer cell of
     its own weight (`same_kd_by_kd_ratio`); the cell named `same` is the reference (`same_kd`),
@@ -100,7 +104,8 @@ def summarize(
                     "larger (--teacher-size, --scale)"
                 ) + (
                     ", or compare the means of teachers trained from several seeds "
-                    "(--teacher-seeds 2: one tokenizer's teachers can end 4% apart)"
+                    "(--teacher-seeds 2 or more: at --scale cpu one tokenizer's teachers ended up to "
+                    "10% apart from seed to seed)"
                     if spec.teacher_seeds == 1
                     else ""
                 )
@@ -213,6 +218,17 @@ def summarize(
                 "from the means and its interval, or give the teacher more to add "
                 "(--teacher-steps; --student-bytes, the students on less text in epochs: a "
                 "larger gain, mostly a CE-only student that memorises, and seeds that scatter)"
+            )
+    for label, by_seed in (teacher_seed_bpb or {}).items():
+        values = [v for v in by_seed.values() if math.isfinite(v)]
+        if len(values) >= 2 and max(values) / min(values) - 1 > spec.max_teacher_spread:
+            report["warnings"].append(
+                f"teacher {label}'s {len(values)} seeds ended {max(values) / min(values) - 1:.1%} "
+                f"apart ({min(values):.4f} to {max(values):.4f} bits per byte), more than the "
+                f"{spec.max_teacher_spread:.0%} two tokenizers' teachers may differ by: whether a "
+                "pair is compared turns on the teacher seeds as much as on the tokenizers; more "
+                "seeds (--teacher-seeds) steady the means, longer or larger teachers "
+                "(--teacher-steps, --teacher-size) the seeds themselves"
             )
     return report
 
