@@ -221,10 +221,13 @@ def summarize(
             )
     for label, by_seed in (teacher_seed_bpb or {}).items():
         values = [v for v in by_seed.values() if math.isfinite(v)]
-        if len(values) >= 2 and max(values) / min(values) - 1 > spec.max_teacher_spread:
+        if len(values) < 2:
+            continue
+        low, high = min(values), max(values)
+        if high / low - 1 > spec.max_teacher_spread:
             report["warnings"].append(
-                f"teacher {label}'s {len(values)} seeds ended {max(values) / min(values) - 1:.1%} "
-                f"apart ({min(values):.4f} to {max(values):.4f} bits per byte), more than the "
+                f"teacher {label}'s {len(values)} seeds ended {high / low - 1:.1%} apart "
+                f"({low:.4f} to {high:.4f} bits per byte), more than the "
                 f"{spec.max_teacher_spread:.0%} two tokenizers' teachers may differ by: whether a "
                 "pair is compared turns on the teacher seeds as much as on the tokenizers; more "
                 "seeds (--teacher-seeds) steady the means, longer or larger teachers "
