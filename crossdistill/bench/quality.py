@@ -407,7 +407,8 @@ class Experiment:
         s, spec = self.spec.scale, self.spec
         self.data, train_texts = write_corpus(
             self.out, spec.corpora, train_bytes=s.train_bytes, val_bytes=s.val_bytes,
-            student_bytes=s.student_train_bytes, text_field=spec.text_field, log=self.log,
+            student_bytes=s.student_train_bytes, text_field=spec.text_field,
+            piece_bytes=s.piece_bytes, log=self.log,
         )  # fmt: skip
         self.log(f"[quality] corpus -> {self.data}")
         self.vocab = {p: len(load_tokenizer(p)) for p in [spec.student_tokenizer, *self.labels]}

@@ -13,7 +13,7 @@ from typing import Any, get_args
 
 from crossdistill.bench import quality
 from crossdistill.bench.quality import Experiment
-from crossdistill.bench.quality_corpus import PIECE_BYTES
+from crossdistill.bench.quality_corpus import MIN_PIECE_BYTES
 from crossdistill.bench.quality_report import plot_report, print_table
 from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_size
 from crossdistill.config import (
@@ -144,6 +144,15 @@ def add_parser(subparsers) -> None:
         "through it), in epochs; "
         "0: all of it (default: the scale's; gpu: 1,000,000)",
     )
+    p.add_argument(
+        "--piece-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a --corpus's documents are cut into pieces of about N bytes at line ends, the rows "
+        "shuffled for training and drawn for the held-out text (default: the scale's; cpu: 1024, "
+        "gpu: 16384); a step reads as many places in the corpus as the pieces it spans",
+    )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
     p.add_argument(
         "--teacher-cache",
@@ -211,13 +220,21 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
                     "between 0 and 1 (the scales use 1e-3 to 3e-3)"
                 )
             changes[key] = value
+    if args.piece_bytes is not None:
+        if args.piece_bytes < MIN_PIECE_BYTES:
+            raise UserError(
+                f"--piece-bytes {args.piece_bytes} is less than a few lines: give at least "
+                f"{MIN_PIECE_BYTES} (the cpu scale uses 1024, the gpu scale 16384)"
+            )
+        changes["piece_bytes"] = args.piece_bytes
+    piece = changes.get("piece_bytes", scale.piece_bytes)
     if args.student_bytes == 0:
         changes["student_train_bytes"] = None  # all of the teachers' text
     elif args.student_bytes is not None:
-        if args.student_bytes < PIECE_BYTES:
+        if args.student_bytes < piece:
             raise UserError(
                 f"--student-bytes {args.student_bytes} is less than one piece of the corpus "
-                f"({PIECE_BYTES} bytes); give at least {PIECE_BYTES}, or 0 for all of the text"
+                f"({piece} bytes); give at least {piece}, or 0 for all of the text"
             )
         changes["student_train_bytes"] = args.student_bytes
     for key, value in changes.items():

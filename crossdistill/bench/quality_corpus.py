@@ -16,19 +16,23 @@ from crossdistill.data.documents import spread_pieces
 from crossdistill.errors import UserError
 
 PIECE_BYTES = 16_384  # documents are cut into pieces of about this size, at a line end
+MIN_PIECE_BYTES = 256  # a piece holds a few lines at least
 VAL_EVERY = 20  # at most about one piece in this many is held out
 
 
 class CorpusReader:
     """The corpus's text documents (`data.documents.TextDocuments`: any format the trainer
     reads, the files read only as far as the consumer takes them) cut into pieces of about
-    `PIECE_BYTES` at line ends, so that a corpus of a few long texts still splits into training
-    and held-out text."""
+    `piece_bytes` at line ends, so that a corpus of a few long texts still splits into training
+    and held-out text, and a training step reads from several places in it."""
 
-    def __init__(self, corpora: list[str], text_field: str = "text"):
+    def __init__(
+        self, corpora: list[str], text_field: str = "text", piece_bytes: int = PIECE_BYTES
+    ):
         from crossdistill.data.documents import TextDocuments
 
         self.documents = TextDocuments(corpora, text_field)
+        self.piece_bytes = piece_bytes
 
     @property
     def rows(self) -> int:
@@ -36,7 +40,7 @@ class CorpusReader:
 
     def __iter__(self) -> Iterator[str]:
         for doc in self.documents:
-            yield from _cut(doc)
+            yield from _cut(doc, self.piece_bytes)
 
     def note(self) -> str | None:
         """How many of the rows read were skipped, and why the first was; None when none."""
@@ -58,23 +62,26 @@ class CorpusReader:
 
 
 def corpus_pieces(
-    corpora: list[str], text_field: str = "text", log: Callable[[str], None] | None = None
+    corpora: list[str],
+    text_field: str = "text",
+    log: Callable[[str], None] | None = None,
+    piece_bytes: int = PIECE_BYTES,
 ) -> list[str]:
     """Every piece of the corpus (`CorpusReader`); `log` hears how many rows were skipped."""
-    reader = CorpusReader(corpora, text_field)
+    reader = CorpusReader(corpora, text_field, piece_bytes)
     pieces = list(reader)
     if log is not None and (note := reader.note()) is not None:
         log(note)
     return pieces
 
 
-def _cut(text: str) -> list[str]:
+def _cut(text: str, piece_bytes: int) -> list[str]:
     out: list[str] = []
     start = 0
     while start < len(text):
-        stop = start + PIECE_BYTES
+        stop = start + piece_bytes
         if stop < len(text):
-            newline = text.rfind("\n", start + PIECE_BYTES // 2, stop)
+            newline = text.rfind("\n", start + piece_bytes // 2, stop)
             stop = newline + 1 if newline >= 0 else stop
         out.append(text[start:stop])
         start = stop
@@ -109,7 +116,7 @@ def split_pieces(
         (val if held else train).append(piece)
     if not val or not train:
         raise UserError(
-            f"the corpus ({len(read)} pieces of up to {PIECE_BYTES} bytes) is too small to hold "
+            f"the corpus ({len(read)} pieces) is too small to hold "
             "out text for scoring; give a corpus of at least a few hundred kilobytes"
         )
     return train, val
@@ -123,15 +130,16 @@ def write_corpus(
     val_bytes: int,
     student_bytes: int | None = None,
     text_field: str = "text",
+    piece_bytes: int = PIECE_BYTES,
     log: Callable[[str], None] | None = None,
 ) -> tuple[Path, list[str]]:
     """Training and held-out JSONL in a folder named by their content (a changed corpus is a new
     folder, so nothing trained on the old one is reused); returns it and the training texts.
     With `student_bytes` the students' share of the training text is written beside them
-    (`share_path`). `text_field` is `CorpusReader`'s; `log` hears how many rows it skipped and
-    which corpus files it never reached."""
+    (`share_path`). `text_field` and `piece_bytes` are `CorpusReader`'s; `log` hears how many
+    rows it skipped and which corpus files it never reached."""
     if corpora:
-        reader = CorpusReader(corpora, text_field)
+        reader = CorpusReader(corpora, text_field, piece_bytes)
         train, val = split_pieces(reader, train_bytes, val_bytes)
         if log is not None:
             for note in (reader.note(), reader.unread_note(train_bytes + val_bytes)):

@@ -58,6 +58,10 @@ class Scale:
     # read their text many times over (the gpu scale's epochs), not where they read a sample of
     # a large text once (the cpu scale, whose build would cost more than its students' teacher)
     teacher_cache: bool = False
+    # a `--corpus`'s documents are cut into pieces of about this many bytes (`quality_corpus`),
+    # the rows the loader shuffles and the held-out split draws: a step's rows are filled in
+    # order, so a step reads as many places in the corpus as the pieces it spans
+    piece_bytes: int = 16_384
 
 
 def teacher_shape(width: int, layers: int) -> dict[str, int]:
@@ -142,6 +146,11 @@ SCALES: dict[str, Scale] = {
         train_bytes=6_000_000,
         val_bytes=100_000,
         device="cpu",
+        # a teacher step is 8 rows of 128 tokens, about 4 kB: pieces of 16 kB gave each step a
+        # quarter of one piece and its last steps a dozen pieces, and one tokenizer's teachers
+        # ended up to 10% apart from seed to seed (benchmarks/README.md, "The cpu scale's
+        # pieces")
+        piece_bytes=1_024,
     ),
     # one H100/H200 (timings in benchmarks/README.md): teachers over 10x the student's
     # parameters, trained on 4x its tokens. Student lr 1e-3, not 2e-3: at 2e-3 identical runs

@@ -451,7 +451,7 @@ def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir,
     ]  # fmt: skip
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"give at least {PIECE_BYTES}" in err[0]
+    assert len(err) == 1 and f"give at least {SCALES['cpu'].piece_bytes}" in err[0]
     assert not (tmp_path / "data").exists()
 
 
@@ -534,6 +534,36 @@ def test_bytes_per_token_samples_the_whole_of_an_ordered_corpus(tokenizer_dir):
     first = bytes_per_token(tok, prose, sample_bytes=10**9)
     assert first > 1.5 * bytes_per_token(tok, digits, sample_bytes=10**9)  # they differ
     assert spread == pytest.approx(whole, rel=0.02)  # not the first source's
+
+
+def test_pieces_are_the_scales_size_and_a_flag_sets_them(tmp_path):
+    """A step's rows are filled in order, so the pieces set how many places in the corpus a
+    step reads: the cpu scale's 4 kB teacher step spans several of its pieces."""
+    lines = [f"line {i}, a few words more\n" for i in range(20_000)]
+    text = "".join(lines)
+    path = tmp_path / "corpus.txt"
+    path.write_text(text)
+    for size in (300, 1024, PIECE_BYTES):
+        pieces = corpus_pieces([str(path)], piece_bytes=size)
+        assert "".join(pieces) == text  # nothing lost
+        assert all(p.endswith("\n") for p in pieces)  # cut at line ends
+        assert all(size // 2 < len(p) <= size for p in pieces[:-1])
+    cpu = SCALES["cpu"]
+    teacher_step = cpu.teacher_batch * cpu.seq_len * 4  # about 4 bytes a token
+    assert teacher_step >= 3 * cpu.piece_bytes
+    assert SCALES["gpu"].piece_bytes == PIECE_BYTES  # its numbers were measured so
+    assert parsed_spec(tmp_path).scale.piece_bytes == cpu.piece_bytes
+    assert parsed_spec(tmp_path, "--piece-bytes", "4096").scale.piece_bytes == 4096
+    with pytest.raises(UserError, match="give at least 256"):
+        parsed_spec(tmp_path, "--piece-bytes", "100")
+    # the students' share is whole pieces: at least one
+    with pytest.raises(UserError, match="give at least 4096"):
+        parsed_spec(tmp_path, "--piece-bytes", "4096", "--student-bytes", "2000")
+    folder, train = write_corpus(
+        tmp_path / "out", [str(path)], train_bytes=200_000, val_bytes=20_000, piece_bytes=512
+    )
+    held = [json.loads(line)["text"] for line in (folder / "val.jsonl").open()]
+    assert all(len(p) <= 512 for p in train + held) and len(held) > 10
 
 
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
