@@ -105,7 +105,7 @@ def summarize(
                 ) + (
                     ", or compare the means of teachers trained from several seeds "
                     "(--teacher-seeds 2 or more: at --scale cpu one tokenizer's teachers ended up to "
-                    "10% apart from seed to seed)"
+                    "4.4% apart from seed to seed)"
                     if spec.teacher_seeds == 1
                     else ""
                 )
@@ -230,8 +230,9 @@ def summarize(
                 f"({low:.4f} to {high:.4f} bits per byte), more than the "
                 f"{spec.max_teacher_spread:.0%} two tokenizers' teachers may differ by: whether a "
                 "pair is compared turns on the teacher seeds as much as on the tokenizers; more "
-                "seeds (--teacher-seeds) steady the means, longer or larger teachers "
-                "(--teacher-steps, --teacher-size) the seeds themselves"
+                "seeds (--teacher-seeds) steady the means; the seeds themselves come nearer with "
+                "longer or larger teachers (--teacher-steps, --teacher-size), or with a --corpus "
+                "cut into pieces small enough that a teacher step spans several (--piece-bytes)"
             )
     return report
 

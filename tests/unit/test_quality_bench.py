@@ -226,7 +226,7 @@ def test_teachers_of_one_tokenizer_further_apart_than_the_bound_are_named(tmp_pa
     report = summarize(means, runs, CELLS, "llama3", _spec(tmp_path), seeds)
     (line,) = [w for w in report["warnings"] if "seeds ended" in w]
     assert line.startswith("teacher llama3's 4 seeds ended 10.0% apart (1.9335 to 2.1269")
-    assert "--teacher-seeds" in line
+    assert "--teacher-seeds" in line and "--piece-bytes" in line
     # within the bound (Qwen3's 0.8%), or a single seed: no such line
     assert (
         summarize(means, runs, CELLS, "llama3", _spec(tmp_path), {"qwen3": seeds["qwen3"]})[
@@ -536,7 +536,7 @@ def test_bytes_per_token_samples_the_whole_of_an_ordered_corpus(tokenizer_dir):
     assert spread == pytest.approx(whole, rel=0.02)  # not the first source's
 
 
-def test_pieces_are_the_scales_size_and_a_flag_sets_them(tmp_path):
+def test_pieces_are_the_scales_size_and_a_flag_sets_them(tmp_path, tokenizer_dir):
     """A step's rows are filled in order, so the pieces set how many places in the corpus a
     step reads: the cpu scale's 4 kB teacher step spans several of its pieces."""
     lines = [f"line {i}, a few words more\n" for i in range(20_000)]
@@ -559,11 +559,22 @@ def test_pieces_are_the_scales_size_and_a_flag_sets_them(tmp_path):
     # the students' share is whole pieces: at least one
     with pytest.raises(UserError, match="give at least 4096"):
         parsed_spec(tmp_path, "--piece-bytes", "4096", "--student-bytes", "2000")
-    folder, train = write_corpus(
-        tmp_path / "out", [str(path)], train_bytes=200_000, val_bytes=20_000, piece_bytes=512
-    )
-    held = [json.loads(line)["text"] for line in (folder / "val.jsonl").open()]
-    assert all(len(p) <= 512 for p in train + held) and len(held) > 10
+    # the experiment writes its corpus in its scale's pieces
+    from crossdistill.bench.quality import Experiment
+
+    spec = QualitySpec(
+        student_tokenizer=str(tokenizer_dir("gpt2")), out=tmp_path / "out",
+        teacher_tokenizers=[str(tokenizer_dir("llama2"))], corpora=[str(path)],
+        scale_name="quick", scale=replace(SCALES["quick"], piece_bytes=512),
+    )  # fmt: skip
+    exp = Experiment(spec, log=lambda _: None)
+    exp.teacher_jobs()  # writes the corpus; trains nothing
+    rows = {
+        name: [json.loads(line)["text"] for line in (exp.data / name).open()]
+        for name in ("train.jsonl", "val.jsonl")
+    }
+    assert all(len(p) <= 512 for p in rows["train.jsonl"] + rows["val.jsonl"])
+    assert len(rows["val.jsonl"]) > 10
 
 
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
@@ -755,6 +766,7 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     assert json.loads((tmp_path / "summary.json").read_text())["cross"] == report["cross"]
     (data,) = (tmp_path / "data").iterdir()  # the text as split, named by its hash
     assert report["settings"]["corpus_digest"] == data.name and len(data.name) == 12
+    assert report["settings"]["piece_bytes"] is None  # the demo's corpus: its files whole
     versions = report["settings"]["versions"]  # what a rerun's numbers also depend on
     assert (
         versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
