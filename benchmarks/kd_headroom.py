@@ -90,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     log = args.out / "headroom.jsonl"
     data, train_texts = write_corpus(
-        args.out, args.corpus, train_bytes=scale.train_bytes, val_bytes=scale.val_bytes
+        args.out,
+        args.corpus,
+        train_bytes=scale.train_bytes,
+        val_bytes=scale.val_bytes,
+        piece_bytes=scale.piece_bytes,
     )
     train_files = {
         n: write_student_share(data, train_texts, n) if n else data / "train.jsonl"

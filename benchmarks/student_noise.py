@@ -44,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = QualitySpec(args.tokenizer, ["unused"], args.out, args.scale, scale, args.corpus)
     args.out.mkdir(parents=True, exist_ok=True)
     data, _ = write_corpus(
-        args.out, args.corpus, train_bytes=scale.train_bytes, val_bytes=scale.val_bytes
+        args.out,
+        args.corpus,
+        train_bytes=scale.train_bytes,
+        val_bytes=scale.val_bytes,
+        piece_bytes=scale.piece_bytes,
     )
     student = model_entry(scale.student, args.tokenizer, len(load_tokenizer(args.tokenizer)))
     runs = {}
