@@ -28,6 +28,9 @@ from crossdistill.config import (
 from crossdistill.data.cli import add_text_field_arg
 from crossdistill.errors import UserError
 
+# each scale's piece size, as the help and an error name them ("quick: 16384, cpu: 1024, ...")
+PIECES = ", ".join(f"{name}: {scale.piece_bytes}" for name, scale in SCALES.items())
+
 EXAMPLES = """examples:
   crossdistill bench quality --student-tokenizer $TOK/llama3/hf --teacher-tokenizer $TOK/qwen3/hf \\
       --teacher-tokenizer $TOK/llama2/hf --scale gpu --seeds 5 --out runs/quality
@@ -150,8 +153,8 @@ def add_parser(subparsers) -> None:
         default=None,
         metavar="N",
         help="a --corpus's documents are cut into pieces of about N bytes at line ends, the rows "
-        "shuffled for training and drawn for the held-out text (default: the scale's; cpu: 1024, "
-        "gpu: 16384); a step reads as many places in the corpus as the pieces it spans",
+        f"shuffled for training and drawn for the held-out text (default: the scale's; {PIECES}); "
+        "a step reads as many places in the corpus as the pieces it spans",
     )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
     p.add_argument(
@@ -224,7 +227,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         if args.piece_bytes < MIN_PIECE_BYTES:
             raise UserError(
                 f"--piece-bytes {args.piece_bytes} is less than a few lines: give at least "
-                f"{MIN_PIECE_BYTES} (the cpu scale uses 1024, the gpu scale 16384)"
+                f"{MIN_PIECE_BYTES} (the scales use {PIECES})"
             )
         changes["piece_bytes"] = args.piece_bytes
     piece = changes.get("piece_bytes", scale.piece_bytes)

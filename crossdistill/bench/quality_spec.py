@@ -1,7 +1,8 @@
 """What `crossdistill bench quality` is asked: its scales (`Scale`, `SCALES`: model shapes,
 steps, text and learning rates), the teachers' shape from `--teacher-size`, and the experiment's
-settings (`QualitySpec`), checked once, at load. Imports `config` and `errors` only; the
-experiment (`quality`) and its command line (`quality_cli`) import it."""
+settings (`QualitySpec`), checked once, at load. Imports `config`, `errors` and the corpus's
+default piece size (`quality_corpus`) only; the experiment (`quality`) and its command line
+(`quality_cli`) import it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import get_args
 
+from crossdistill.bench.quality_corpus import PIECE_BYTES
 from crossdistill.config import (
     DISTRIBUTION_LOSSES,
     LOSSES,
@@ -61,7 +63,7 @@ class Scale:
     # a `--corpus`'s documents are cut into pieces of about this many bytes (`quality_corpus`),
     # the rows the loader shuffles and the held-out split draws: a step's rows are filled in
     # order, so a step reads as many places in the corpus as the pieces it spans
-    piece_bytes: int = 16_384
+    piece_bytes: int = PIECE_BYTES
 
 
 def teacher_shape(width: int, layers: int) -> dict[str, int]:
