@@ -67,6 +67,7 @@ def run_seed(
     student_batch: int | None = None,
     source_root: Path | None = None,
     temperature: float = 1.0,
+    teacher_piece_chars: int | None = None,
 ) -> dict:
     from crossdistill.bench.quality_spec import target_terms
     from crossdistill.config import DISTRIBUTION_LOSSES
@@ -96,11 +97,23 @@ def run_seed(
     t_steps = teacher_steps or t["steps"]
     # teachers trained for other steps sit beside the demo's, and so do their students
     t_tag = "" if t_steps == KEY_TEACHER_STEPS else f"_t{t_steps}"
+    # the teachers' text: the training files in pieces (the demo's, unless asked otherwise), or
+    # whole (0); a key names the pieces, since the runs before 2026-12-05 read whole files
+    pieces = (
+        demo.DEMO["teacher_piece_chars"] if teacher_piece_chars is None else teacher_piece_chars
+    )
+    t_file = "train.jsonl"
+    if pieces:
+        t_tag += f"_p{pieces}"
+        t_file = demo.TEACHER_TEXT
+        if pieces != demo.DEMO["teacher_piece_chars"]:
+            t_file = f"train_p{pieces}.jsonl"
+            demo.write_texts(out / "data" / t_file, demo.teacher_text(train_texts, pieces))
     for name in which:  # only the teachers asked for
         model = teachers[name]
         cfg = demo.stage_config(
             out, f"teacher_{name}{t_tag}", model, t_steps, t["lr"], seed, evals,
-            batch=t["micro_batch_size"],
+            train_file=t_file, batch=t["micro_batch_size"],
         )  # fmt: skip
         score(cfg, f"teacher_{name}{t_tag}")
     student = demo._model(s, student_tok, v_s)
@@ -234,6 +247,14 @@ def main() -> int:
         "--teacher-steps", type=int, default=None, help="the teachers' steps; default: the demo's"
     )
     p.add_argument(
+        "--teacher-piece-chars",
+        type=int,
+        default=None,
+        help="the teachers train on every training file cut at line ends into pieces of about "
+        "N characters (the loader shuffles pieces, so a step reads several files); 0: whole "
+        "files, the demo's teacher before 2026-12-05; default: the demo's",
+    )
+    p.add_argument(
         "--source-root",
         type=Path,
         default=None,
@@ -257,6 +278,8 @@ def main() -> int:
     student_steps = DEMO["student"]["steps"] if args.student_steps is None else args.student_steps
     if student_steps < 1:
         p.error(f"--student-steps {args.student_steps}: give at least 1")
+    if args.teacher_piece_chars not in (None, 0) and args.teacher_piece_chars < 256:
+        p.error(f"--teacher-piece-chars {args.teacher_piece_chars}: give 0 or at least 256")
     if args.student_batch is not None and args.student_batch < 1:
         p.error(f"--student-batch {args.student_batch}: give at least 1")
     for warmup in args.kd_warmup_steps:
@@ -294,6 +317,7 @@ def main() -> int:
                 args.student_batch,
                 args.source_root,
                 args.temperature,
+                args.teacher_piece_chars,
             )
         )
         print(json.dumps(rows[-1]), flush=True)

@@ -3,8 +3,8 @@
 1. corpus: the standard library's `.py` files, held-out split by file;
 2. two different tokenizers trained on it (byte-level BPE for the teacher, a SentencePiece-style
    BPE with byte fallback for the student);
-3. a small teacher trained with CE on its tokenizer and all the training text (cached in
-   OUT/teacher);
+3. a small teacher trained with CE on its tokenizer and all the training text, each file cut
+   into pieces of about `DEMO["teacher_piece_chars"]` at line ends (cached in OUT/teacher);
 4. two students on the student tokenizer with equal compute and the first
    `DEMO["student_bytes"]` of the same text (in epochs: a student distilled on less text than its
    teacher saw, the usual case): CE only, and CE + cross-tokenizer KD from the teacher;
@@ -60,6 +60,12 @@ DEMO = {
     # `student_bytes` of them taken at an even stride
     "student_text": "files",
     "student_piece_chars": 2048,
+    # the teacher's text: every training file cut at line ends into pieces of about this many
+    # characters, which the loader shuffles apart, so that a step of 4 rows reads several files;
+    # of whole files, a few steps in a row read one file and the last steps, at the lowest
+    # rates, a few files. 0: whole files. On the 2-core VM's 16 seeds the teacher ended
+    # 15-18% better (benchmarks/README.md, "The demo's teacher on pieces of its files")
+    "teacher_piece_chars": 1024,
     "kd_ratio": 0.5,
     "top_k": 32,
     "eval_batches": 16,  # the runs' own validation; the summary scores every held-out file
@@ -130,6 +136,7 @@ def stage_config(
 
 
 STUDENT_TEXT = "student_train.jsonl"
+TEACHER_TEXT = "teacher_train.jsonl"
 StudentText = Literal["files", "filled", "pieces"]
 
 
@@ -159,22 +166,41 @@ def student_share(train: list[str], num_bytes: int, how: StudentText | None = No
     return spread_pieces(pieces, num_bytes)
 
 
+def teacher_text(train: list[str], piece_chars: int) -> list[str]:
+    """The teacher's text: every file of `train` cut at line ends into pieces of about
+    `piece_chars` characters (`DEMO["teacher_piece_chars"]`), in file order (the loader shuffles
+    them); `train` itself when `piece_chars` is 0."""
+    from crossdistill.data.documents import text_pieces
+
+    if piece_chars == 0:
+        return list(train)
+    return [piece for text in train for piece in text_pieces(text, piece_chars)]
+
+
+def write_texts(path: Path, texts: list[str]) -> None:
+    """`texts` as a JSONL file of `{"text": ...}` rows."""
+    with open(path, "w", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+
+
 def _write_corpus(
     out: Path, seed: int, root: Path | None = None
 ) -> tuple[list[str], list[str], list[str]]:
-    """OUT/data: the teacher's training text, the students' (`student_share` of it) and the
+    """OUT/data: the training files whole (`train.jsonl`), the teacher's text (`TEACHER_TEXT`:
+    the same files in pieces), the students' (`student_share` of the whole files) and the
     held-out files, from the `.py` files under `root` (default: this interpreter's standard
-    library); returns the three."""
+    library); returns the training files, the held-out files and the students' text."""
     from crossdistill.train.demo_assets import stdlib_corpus
 
     train, val = stdlib_corpus(seed=seed, root=root)
     data = out / "data"
     data.mkdir(parents=True, exist_ok=True)
     student = student_share(train, DEMO["student_bytes"])
-    for name, texts in (("train.jsonl", train), (STUDENT_TEXT, student), ("val.jsonl", val)):
-        with open(data / name, "w", encoding="utf-8") as f:
-            for text in texts:
-                f.write(json.dumps({"text": text}) + "\n")
+    write_texts(data / "train.jsonl", train)
+    write_texts(data / TEACHER_TEXT, teacher_text(train, DEMO["teacher_piece_chars"]))
+    write_texts(data / STUDENT_TEXT, student)
+    write_texts(data / "val.jsonl", val)
     return train, val, student
 
 
@@ -246,10 +272,12 @@ def run_demo(out_dir: str | Path, seed: int = 0, quick: bool = False) -> dict[st
         DEMO["teacher"]["lr"],
         seed,
         evals,
+        train_file=TEACHER_TEXT,
         batch=DEMO["teacher"]["micro_batch_size"],
     )
     print(
-        f"[demo] 1/3 teacher: {t_steps} steps of CE on its own tokenizer (cached after the first run)"
+        f"[demo] 1/3 teacher: {t_steps} steps of CE on its own tokenizer, the training files in "
+        f"pieces of about {DEMO['teacher_piece_chars']} characters (cached after the first run)"
     )
     teacher = run_stage(teacher_cfg, reuse=not quick)
     student_model = _model(DEMO["student"], student_tok, v_s)

@@ -58,10 +58,39 @@ def test_quick_demo_end_to_end(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "held-out bits per byte" in out
     assert (tmp_path / "demo" / "summary.json").is_file()
+    # the teacher trained on the files in pieces, the students on whole files
+    read = {
+        run: json.loads((tmp_path / "demo" / run / "config.json").read_text())["data"]["train"]
+        for run in ("teacher", "student_ce", "student_kd")
+    }
+    data = tmp_path / "demo" / "data"
+    assert read["teacher"] == [str(data / demo.TEACHER_TEXT)]
+    assert read["student_ce"] == read["student_kd"] == [str(data / demo.STUDENT_TEXT)]
     # the students' text as read, not as asked for: whole files stop at the first that does not fit
     rows = (tmp_path / "demo" / "data" / demo.STUDENT_TEXT).read_text().splitlines()
     kb = sum(len(json.loads(r)["text"].encode()) for r in rows) // 1000
     assert f"steps on {kb} kB of the text ({len(rows)} whole files)" in out
+
+
+def test_the_teachers_text_is_every_training_file_in_pieces(tmp_path):
+    root = tmp_path / "src"
+    root.mkdir()
+    for i in range(30):  # files of about 0.3 to 9 kB
+        lines = [f"def f{i}_{j}(x):\n    return x + {j}\n" for j in range(10 + 25 * i)]
+        (root / f"mod{i}.py").write_text("".join(lines))
+    train, _, student = demo._write_corpus(tmp_path / "run", 0, root)
+
+    def rows(name):
+        lines = (tmp_path / "run" / "data" / name).read_text().splitlines()
+        return [json.loads(line)["text"] for line in lines]
+
+    size = demo.DEMO["teacher_piece_chars"]
+    pieces = rows(demo.TEACHER_TEXT)
+    assert "".join(pieces) == "".join(train)  # every file, in order, nothing lost
+    assert len(pieces) > 2 * len(train)
+    assert all(len(p) <= size * 5 // 4 and p.endswith("\n") for p in pieces)
+    assert rows("train.jsonl") == train and rows(demo.STUDENT_TEXT) == student  # whole files
+    assert demo.teacher_text(train, 0) == train
 
 
 def test_a_saved_run_config_from_before_a_new_setting_still_matches(tmp_path):

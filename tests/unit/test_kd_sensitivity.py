@@ -78,3 +78,15 @@ def test_the_corpus_is_read_from_the_source_root_asked_for(tmp_path):
     texts = set(train) | set(val)
     assert texts <= {f"def f{i}(x):\n    return x * {i}\n" for i in range(40)}
     assert len(texts) == len(train) + len(val) == 40  # every file once, none on both sides
+
+
+def test_a_teacher_piece_size_under_a_few_lines_is_refused_before_anything_trains(tmp_path):
+    for value in ("100", "-5"):
+        run = subprocess.run(
+            [sys.executable, str(SCRIPT), "--teacher-piece-chars", value,
+             "--out", str(tmp_path)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert run.returncode == 2
+        assert f"--teacher-piece-chars {value}: give 0 or at least 256" in run.stderr
+    assert not any(tmp_path.iterdir())
