@@ -659,7 +659,7 @@ class Experiment:
             # their corpus paths say
             "corpus_digest": self.data.name,
             "text_field": self.spec.text_field,
-            "piece_bytes": s.piece_bytes if self.spec.corpora else None,  # None: files whole
+            "piece_bytes": s.piece_bytes,
             "teacher": {
                 **s.teacher,
                 "steps": s.teacher_steps,

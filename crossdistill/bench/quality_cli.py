@@ -152,9 +152,10 @@ def add_parser(subparsers) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="a --corpus's documents are cut into pieces of about N bytes at line ends, the rows "
-        f"shuffled for training and drawn for the held-out text (default: the scale's; {PIECES}); "
-        "a step reads as many places in the corpus as the pieces it spans",
+        help="the corpus's documents (a --corpus's, or the default corpus's files) are cut into "
+        "pieces of about N bytes at line ends, the rows shuffled for training and drawn for the "
+        f"held-out text (default: the scale's; {PIECES}); a step reads as many places in the "
+        "corpus as the pieces it spans; a size past the longest document keeps them whole",
     )
     p.add_argument("--device", default=None, help="override the scale's (cpu, cuda)")
     p.add_argument(

@@ -148,9 +148,14 @@ def write_corpus(
     else:
         from crossdistill.train.demo_assets import stdlib_corpus
 
-        train, val = stdlib_corpus(
+        files, held_files = stdlib_corpus(
             max_files=100_000, seed=0, train_bytes=train_bytes, val_bytes=val_bytes
         )
+        # split by file (no held-out file is trained on), then cut as a `--corpus` is: whole
+        # files, 15 kB on average, gave a cpu-scale teacher's step one or two places in the
+        # text (benchmarks/README.md, "The demo's teacher on pieces of its files")
+        train = [piece for text in files for piece in _cut(text, piece_bytes)]
+        val = [piece for text in held_files for piece in _cut(text, piece_bytes)]
     digest = hashlib.sha256()
     for text in [*train, "\0", *val]:
         digest.update(text.encode())

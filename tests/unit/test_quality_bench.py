@@ -577,6 +577,24 @@ def test_pieces_are_the_scales_size_and_a_flag_sets_them(tmp_path, tokenizer_dir
     assert len(rows["val.jsonl"]) > 10
 
 
+def test_the_default_corpus_is_split_by_file_then_cut_into_pieces(tmp_path):
+    """Without a --corpus the bench reads the standard library's files, holds whole files out,
+    and cuts both sides into the scale's pieces as it cuts a --corpus: whole files gave a
+    teacher step one or two places in the text."""
+    from crossdistill.train.demo_assets import stdlib_corpus
+
+    files, held = stdlib_corpus(max_files=100_000, seed=0, train_bytes=300_000, val_bytes=30_000)
+    folder, train = write_corpus(tmp_path, [], train_bytes=300_000, val_bytes=30_000,
+                                 piece_bytes=1024)  # fmt: skip
+    val = [json.loads(line)["text"] for line in (folder / "val.jsonl").open()]
+    assert "".join(train) == "".join(files) and "".join(val) == "".join(held)  # nothing lost
+    assert all(len(p) <= 1024 for p in train + val) and len(train) > 2 * len(files)
+    assert all(p.endswith("\n") for p in train if len(p) > 600)  # cut at line ends
+    whole, _ = write_corpus(tmp_path, [], train_bytes=300_000, val_bytes=30_000,
+                            piece_bytes=10**9)  # fmt: skip
+    assert _ == files and whole != folder  # a size past every file keeps them whole
+
+
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
     lines = [f"line {i} of the corpus, with some words to fill it out\n" for i in range(40_000)]
     path = tmp_path / "corpus.txt"
