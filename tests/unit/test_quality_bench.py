@@ -784,7 +784,7 @@ def test_quick_experiment_end_to_end_then_reused_then_refused(tmp_path, tokenize
     assert json.loads((tmp_path / "summary.json").read_text())["cross"] == report["cross"]
     (data,) = (tmp_path / "data").iterdir()  # the text as split, named by its hash
     assert report["settings"]["corpus_digest"] == data.name and len(data.name) == 12
-    assert report["settings"]["piece_bytes"] is None  # the demo's corpus: its files whole
+    assert report["settings"]["piece_bytes"] == SCALES["quick"].piece_bytes  # files cut too
     versions = report["settings"]["versions"]  # what a rerun's numbers also depend on
     assert (
         versions["torch"] == torch.__version__ and versions["python"] == platform.python_version()
