@@ -151,9 +151,9 @@ def write_corpus(
         files, held_files = stdlib_corpus(
             max_files=100_000, seed=0, train_bytes=train_bytes, val_bytes=val_bytes
         )
-        # split by file (no held-out file is trained on), then cut as a `--corpus` is: whole
-        # files, 15 kB on average, gave a cpu-scale teacher's step one or two places in the
-        # text (benchmarks/README.md, "The demo's teacher on pieces of its files")
+        # split by file (no held-out file is trained on), then cut as a `--corpus` is, so that
+        # a step reads several files rather than the rows of one (benchmarks/README.md,
+        # "`bench quality`'s default corpus in pieces")
         train = [piece for text in files for piece in _cut(text, piece_bytes)]
         val = [piece for text in held_files for piece in _cut(text, piece_bytes)]
     digest = hashlib.sha256()

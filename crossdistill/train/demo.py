@@ -63,8 +63,8 @@ DEMO = {
     # the teacher's text: every training file cut at line ends into pieces of about this many
     # characters, which the loader shuffles apart, so that a step of 4 rows reads several files;
     # of whole files, a few steps in a row read one file and the last steps, at the lowest
-    # rates, a few files. 0: whole files. On the 2-core VM's 16 seeds the teacher ended 9-18%
-    # better, 14% on the mean (benchmarks/README.md, "The demo's teacher on pieces of its files")
+    # rates, a few files. 0: whole files (benchmarks/README.md, "The demo's teacher on pieces of
+    # its files")
     "teacher_piece_chars": 1024,
     "kd_ratio": 0.5,
     "top_k": 32,

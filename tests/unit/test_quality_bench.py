@@ -590,9 +590,9 @@ def test_the_default_corpus_is_split_by_file_then_cut_into_pieces(tmp_path):
     assert "".join(train) == "".join(files) and "".join(val) == "".join(held)  # nothing lost
     assert all(len(p) <= 1024 for p in train + val) and len(train) > 2 * len(files)
     assert all(p.endswith("\n") for p in train if len(p) > 600)  # cut at line ends
-    whole, _ = write_corpus(tmp_path, [], train_bytes=300_000, val_bytes=30_000,
-                            piece_bytes=10**9)  # fmt: skip
-    assert _ == files and whole != folder  # a size past every file keeps them whole
+    whole, whole_train = write_corpus(tmp_path, [], train_bytes=300_000, val_bytes=30_000,
+                                      piece_bytes=10**9)  # fmt: skip
+    assert whole_train == files and whole != folder  # a size past every file keeps them whole
 
 
 def test_corpus_split_is_seed_free_disjoint_and_refuses_tiny_corpora(tmp_path):
