@@ -58,6 +58,17 @@ Over all KD positions, what `teachers.N.target: lookahead_end` reads past the st
     python benchmarks/target_bias.py --student $TOK/llama3/hf --teacher $TOK/qwen3/hf \\
         --teacher $TOK/llama2/hf [--corpus FILE ...] [--bytes 2000000] [--spread] [--json]
 
+With `--depth-routing`, how the lookahead target routes a teacher's alternatives inside a student
+token, with the text standing in for a teacher that knows it (`depth_routing`): after a prefix
+`t_0 … t_{d−1}` (d ≥ 1) of an observed student-longer chunk's path, an alternative x ≠ `t_d`
+goes to the student token spelling the prefix then x, or to the prefix's token `a_d` where the
+student has none. Every place in the text where the same prefix is followed by some x is a
+sample of where that mass belongs: the student token the text used there. `routing` splits the
+alternatives' mass (each observed step weighing the continuations seen after its prefix, less
+its own) into `right` (the rule names the text's token), `under_join` / `under_fallback` (the
+text's token is longer than the join / than `a_d`: the mass belongs to a token the rule does
+not reach), `over` (the text used `a_d` where the rule joins) and `other`.
+
 No model is run: alignment and projection only, seconds on a CPU.
 """
 
@@ -200,6 +211,62 @@ def pair_counts(texts: list[str], tok_s, tok_t) -> dict:
     return out
 
 
+ROUTES = ("right", "under_join", "under_fallback", "over", "other")
+
+
+def depth_routing(texts: list[str], tok_s, tok_t) -> dict:
+    """`--depth-routing` (module docstring): the shares of ROUTES in the alternatives' mass at
+    depths 1 … D − 1 of the observed student-longer chunks' paths, and that mass per step."""
+    bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
+    pieces_s, pieces_t = bytes_s.pieces(), bytes_t.pieces()
+    student = {}
+    for i, piece in enumerate(pieces_s):
+        if piece and not bytes_s.special[i]:
+            student.setdefault(piece, i)
+    seen: dict[tuple, dict[int, list[int]]] = {}  # prefix -> x -> counts by route
+    steps: list[tuple[tuple, int]] = []  # (prefix, observed x) of the student-longer paths
+    enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    enc_t = tok_t.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+    for es, et in zip(enc_s, enc_t):
+        ids_s, ids_t = np.asarray(es.ids), np.asarray(et.ids)
+        for s0, s1, t0, t1 in align(ids_s, ids_t, bytes_s, bytes_t).chunks.tolist():
+            if s1 <= s0 or t1 <= t0 or s0 >= len(ids_s):
+                continue
+            s = int(ids_s[s0])
+            spelled = b""
+            for d in range(1, min(LOOKAHEAD_DEPTH, len(ids_t) - t0)):
+                spelled += pieces_t[int(ids_t[t0 + d - 1])]
+                a = student.get(spelled)
+                if a is None:
+                    break
+                x = int(ids_t[t0 + d])
+                r = student.get(spelled + pieces_t[x], a)
+                longer = pieces_s[s].startswith(pieces_s[r]) and s != r
+                route = (
+                    0 if s == r
+                    else (1 if r != a else 2) if longer
+                    else 3 if s == a
+                    else 4
+                )  # fmt: skip
+                prefix = tuple(ids_t[t0 : t0 + d].tolist())
+                seen.setdefault(prefix, {}).setdefault(x, [0] * len(ROUTES))[route] += 1
+                if s1 - s0 == 1 and t1 - t0 > d:
+                    steps.append((prefix, x))
+    mass = np.zeros(len(ROUTES))
+    for prefix, observed in steps:
+        after = seen[prefix]
+        n = sum(sum(c) for c in after.values())
+        for x, counts in after.items():
+            if x != observed:
+                mass += np.asarray(counts) / n
+    total = float(mass.sum())
+    return {
+        "steps": len(steps),
+        "alternatives_per_step": total / max(len(steps), 1),
+        "routing": {k: float(v) / max(total, 1e-12) for k, v in zip(ROUTES, mass)},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--student", required=True, help="the student's tokenizer folder")
@@ -211,13 +278,21 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="whole documents spread evenly through the corpus, not its first bytes",
     )
+    p.add_argument(
+        "--depth-routing",
+        action="store_true",
+        help="also route the lookahead target's alternatives inside student tokens by the text",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     texts = texts_of(args.corpus, args.bytes, args.spread)
     tok_s = load_tokenizer(args.student)
     rows = {}
     for path in args.teacher:
-        rows[path] = pair_counts(texts, tok_s, load_tokenizer(path))
+        tok_t = load_tokenizer(path)
+        rows[path] = pair_counts(texts, tok_s, tok_t)
+        if args.depth_routing:
+            rows[path]["depth_routing"] = depth_routing(texts, tok_s, tok_t)
     result = {
         "student": args.student,
         "corpus": args.corpus or ["python standard library"],
@@ -260,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r[k]:.1%}" for k in ("end_step", "end_joinable", "end_observed_joins")
         )
         print(f"| {path} | {cells} |")
+    if args.depth_routing:
+        print("\n| teacher | steps | alternatives per step | " + " | ".join(ROUTES) + " |")
+        print("|---" * (3 + len(ROUTES)) + "|")
+        for path, r in rows.items():
+            dr = r["depth_routing"]
+            cells = " | ".join(f"{dr['routing'][k]:.1%}" for k in ROUTES)
+            print(f"| {path} | {dr['steps']} | {dr['alternatives_per_step']:.2f} | {cells} |")
     return 0
 
 

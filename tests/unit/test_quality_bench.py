@@ -937,6 +937,27 @@ def test_target_bias_reads_the_first_bytes_or_documents_spread_through_the_corpu
     assert spread == [docs[i] for i in (0, 4, 8, 12, 16)]
 
 
+def test_depth_routing_counts_where_the_text_puts_an_alternative_inside_a_student_token(
+    tokenizer_dir,
+):
+    """`target_bias.py --depth-routing`: after Llama-2's ` get` the text goes on with `attr`
+    twice and `ter` twice, Llama-3's ` getattr` and ` getter`; each of the four steps sees the
+    other continuation as half of what follows the prefix, and the join names the text's token.
+    An identical teacher has no student-longer chunk, so no step."""
+    from benchmarks.target_bias import ROUTES, depth_routing
+    from crossdistill.models import load_tokenizer
+
+    llama3 = load_tokenizer(str(tokenizer_dir("llama3")))
+    llama2 = load_tokenizer(str(tokenizer_dir("llama2")))
+    r = depth_routing(["x getattr getter getattr getter"], llama3, llama2)
+    assert r["steps"] == 4 and r["alternatives_per_step"] == pytest.approx(0.5)
+    assert r["routing"] == {k: float(k == "right") for k in ROUTES}
+    code = "".join(f"def function_{i}(argument):\n    return argument\n" for i in range(200))
+    far = depth_routing([code], llama3, llama2)
+    assert far["steps"] > 500 and sum(far["routing"].values()) == pytest.approx(1.0)
+    assert depth_routing([code], llama3, llama3)["steps"] == 0
+
+
 def test_target_bias_script_on_real_tokenizers(tokenizer_dir, tmp_path):
     """Identical tokenizers: the first-piece target is right at every KD position; a
     finer-grained teacher (Llama-2 under a Llama-3 student) leaves it wrong on many, mostly
