@@ -85,6 +85,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from crossdistill.alignment import align  # noqa: E402
 from crossdistill.alignment.projection import (  # noqa: E402
+    _student_lookup,
     build_projection,
     joins_of,
     relaxed_matches,
@@ -219,10 +220,7 @@ def depth_routing(texts: list[str], tok_s, tok_t) -> dict:
     depths 1 … D − 1 of the observed student-longer chunks' paths, and that mass per step."""
     bytes_s, bytes_t = TokenBytes.from_tokenizer(tok_s), TokenBytes.from_tokenizer(tok_t)
     pieces_s, pieces_t = bytes_s.pieces(), bytes_t.pieces()
-    student = {}
-    for i, piece in enumerate(pieces_s):
-        if piece and not bytes_s.special[i]:
-            student.setdefault(piece, i)
+    student = _student_lookup(bytes_s)  # the id the projection's joins pick for shared bytes
     seen: dict[tuple, dict[int, list[int]]] = {}  # prefix -> x -> counts by route
     steps: list[tuple[tuple, int]] = []  # (prefix, observed x) of the student-longer paths
     enc_s = tok_s.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
