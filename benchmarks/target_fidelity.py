@@ -4,7 +4,8 @@ buckets) that a student would pay if it were the run's same-tokenizer teacher, s
 of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
-        [--past-end all --past-end canonical] [--student RUN ...] [--json FILE] [--device cpu]
+        [--past-end all --past-end canonical] [--student RUN ...] [--reach] [--json FILE] \
+        [--device cpu]
 
 OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
 teacher stands in for the student a perfect distillation would give: a target that makes it pay
@@ -17,6 +18,13 @@ A target's buckets are what it compares: a group of student tokens is one bucket
 with groups compares less and its numbers are lower for that alone. Compare targets class by
 class, and read a class where two targets differ by much more than the groups can hide (the
 groups hold the teacher's *other* tokens, a few percent of the mass at a right first piece).
+
+`--reach` (with `--student`) asks how much a target could pass on at all (`bucket_reach`): of
+the same-tokenizer teacher's difference from the student, as the forward KL over that teacher's
+own top-k and tail (what same-tokenizer KD compares), the part the target's buckets still hold
+when the same-tokenizer teacher's own distribution fills them. A share well under 100% at a kind
+of chunk is information no teacher behind that target can give there; near 100%, what is lost
+there is in the cross teacher's numbers, not in the buckets.
 
 Chunks are classed as `bpb_by_class.py` classes them (text: digits / whitespace / other; align:
 one_to_one / student_longer / student_shorter / many) at their KD position. Numbers are nats per
@@ -35,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch import Tensor
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -124,6 +133,75 @@ def row_losses(term: Any, labels, hidden_s, head_s) -> np.ndarray:
     return torch.where(kd, per_row, float("nan")).numpy()
 
 
+def bucket_logprobs(part: Any, logp: Tensor) -> Tensor:
+    """`[N, B + 1]` float64: a distribution's log-probabilities `logp [N, V_s]` summed into one
+    part's buckets, the tail last, as the reference loss sums the student's."""
+    from crossdistill.losses.reference import _grouped_buckets, _tail
+
+    if part.groups is not None:
+        buckets, tail = _grouped_buckets(part, logp)
+    else:
+        buckets = torch.where(part.valid, logp.gather(1, part.ids), float("-inf"))
+        tail = _tail(logp, part.ids, part.valid)
+    return torch.cat([buckets, tail.unsqueeze(1)], 1)
+
+
+def _bucket_kl(a: Tensor, b: Tensor) -> Tensor:
+    """`[N]` forward KL between two rows of bucket log-probabilities (0·log 0 = 0)."""
+    return torch.where(a > float("-inf"), a.exp() * (a - b), 0.0).sum(1)
+
+
+@torch.no_grad()
+def bucket_reach(
+    term: Any, labels: Tensor, ref: tuple[Tensor, Tensor], other: tuple[Tensor, Tensor],
+    top_k: int, rows: int = 256,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """How much of the difference between two models of the student's tokenizer a target can
+    pass on at all. At each KD row of `term`, the forward KL from `ref` (the same-tokenizer
+    teacher, as its hidden states and lm_head) to `other` (a student) summed over the whole
+    vocabulary (`full`), over `ref`'s own top-k and tail (`own`: what same-tokenizer KD
+    compares) and over `term`'s buckets (`target`: what it compares; a perfect teacher behind
+    the target would show the student no more). `[N]` float64 each, NaN on rows without KD."""
+    from dataclasses import replace
+
+    from crossdistill.losses.plan import Part, build_plan
+
+    plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
+    tp = plan.terms[0]
+    if len(tp.parts) != 1:
+        raise SystemExit(f"--reach reads targets of one bucket divergence; {term.name} has "
+                         f"{len(tp.parts)} (lookahead_mix, gold, hkl: leave them out)")  # fmt: skip
+    (part,) = tp.parts
+    kd = (tp.report_weight > 0).cpu()
+    out = {k: np.full(kd.shape[0], np.nan) for k in ("full", "own", "target")}
+    per_row = ("logq", "ids", "valid", "logq_tail")
+    for r0 in range(0, kd.shape[0], rows):
+        sel = torch.nonzero(kd[r0 : r0 + rows]).flatten() + r0
+        if sel.numel() == 0:
+            continue
+        dev = ref[0].device
+        lp, lq = (
+            torch.log_softmax((h[sel.to(dev)].double() @ w.double().t()) / tp.temperature, 1)
+            for h, w in (ref, other)
+        )
+        top = lp.topk(min(top_k, lp.shape[1]), 1).indices
+        own = Part(
+            "forward_kl", lp.gather(1, top), ids=top, valid=torch.ones_like(top, dtype=torch.bool)
+        )
+        cut = replace(part, **{k: getattr(part, k)[sel.to(getattr(part, k).device)].to(dev)
+                               for k in per_row if getattr(part, k) is not None})  # fmt: skip
+        bp, bq = bucket_logprobs(cut, lp), bucket_logprobs(cut, lq)
+        if (bp.exp().sum(1) - 1).abs().max() > 1e-9:
+            raise SystemExit(f"{term.name}: its buckets do not hold the vocabulary once each")
+        at = sel.numpy()
+        out["full"][at] = _bucket_kl(lp, lq).cpu().numpy()
+        out["own"][at] = (
+            _bucket_kl(bucket_logprobs(own, lp), bucket_logprobs(own, lq)).cpu().numpy()
+        )
+        out["target"][at] = _bucket_kl(bp, bq).cpu().numpy()
+    return out
+
+
 @torch.no_grad()
 def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dict[str, np.ndarray]:
     """At each chunk of one student token whose next teacher token is in the text: of the
@@ -166,7 +244,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, default=0, help="at most this many (0: all)")
+    ap.add_argument("--reach", action="store_true",
+                    help="also how much of the same-tokenizer teacher's difference from each "
+                    "--student each target's buckets can hold (bucket_reach)")  # fmt: skip
     args = ap.parse_args(argv)
+    if args.reach and not args.student:
+        ap.error(
+            "--reach compares the same-tokenizer teacher with a student: name one with --student"
+        )
     from dataclasses import replace
 
     from crossdistill.config import Config, TeacherConfig, from_dict
@@ -219,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         joins_s = Joins.from_rows(torch.from_numpy(build_joins(tok_t, tok_s)), rows_t, rows_s)
         joins_t = Joins.from_rows(torch.from_numpy(own_joins(tok_t)), rows_t, rows_t)
         sums: dict[str, dict[str, dict[str, list[float]]]] = {}
+        reach: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
         ends: dict[str, dict[str, list[float]]] = {}
         for i, b in enumerate(batches):
             sb, tb = b.student, b.teachers[0]
@@ -240,6 +326,15 @@ def main(argv: list[str] | None = None) -> None:
             stand = {who: hidden_and_head(model, sb) for who, model in models.items()}
             for t, tcfg in tcfgs.items():
                 term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
+                for who in (w for w in stand if args.reach and w != "same_teacher"):
+                    got = bucket_reach(term, labels, stand["same_teacher"], stand[who], base.top_k)
+                    cell = reach.setdefault(who, {}).setdefault(t, {})
+                    for name, mask in row_class.items():
+                        m = mask & ~np.isnan(got["target"])
+                        acc = cell.setdefault(name, {k: 0.0 for k in got} | {"rows": 0})
+                        for k, v in got.items():
+                            acc[k] += float(v[m].sum())
+                        acc["rows"] += int(m.sum())
                 for who, (hidden_s, head_s) in stand.items():
                     per_row = row_losses(term, labels, hidden_s, head_s)
                     cell = sums.setdefault(who, {}).setdefault(t, {})
@@ -259,6 +354,18 @@ def main(argv: list[str] | None = None) -> None:
             }
             for who, per_t in sums.items()
         }
+        if reach:
+            table.setdefault("reach", {})[label] = {
+                who: {
+                    t: {
+                        name: {k: v / max(acc["rows"], 1) for k, v in acc.items() if k != "rows"}
+                        | {"rows": acc["rows"]}
+                        for name, acc in cells.items()
+                    }
+                    for t, cells in per_t.items()
+                }
+                for who, per_t in reach.items()
+            }
         table["end_step"] = {
             label: {
                 name: {k: v / max(c, 1) for k, (v, c) in acc.items()}
@@ -272,6 +379,23 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_table(table: dict[str, Any]) -> None:
+    for label, per_who in table.get("reach", {}).items():
+        for who, per_t in per_who.items():
+            print(f"\nteacher {label}: the same-tokenizer teacher's forward KL to {who}, nats per "
+                  "KD position: over the whole vocabulary, over that teacher's own top-k and "
+                  "tail, and over each target's buckets (its share of the own)")  # fmt: skip
+            targets = list(per_t)
+            print(
+                f"  {'class':28s} {'full':>8s} {'own':>8s} "
+                + " ".join(f"{t:>24s}" for t in targets)
+            )
+            for name, r in per_t[targets[0]].items():
+                vals = " ".join(
+                    f"{per_t[t][name]['target']:10.4f} ({per_t[t][name]['target'] / max(r['own'], 1e-12):5.0%})"
+                    + " " * 6
+                    for t in targets
+                )
+                print(f"  {name:28s} {r['full']:8.4f} {r['own']:8.4f} {vals}")
     for label, rows in table.get("end_step", {}).items():
         print(f"\nteacher {label}, at the position after a chunk of one student token: its "
               "top-k mass the step past the end moves to a longer student token, the part of "

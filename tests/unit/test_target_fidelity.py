@@ -3,12 +3,29 @@ the reference's own total and against a float64 loss written out plainly, and it
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-from benchmarks.target_fidelity import classes_by_row, row_losses
+from benchmarks.target_fidelity import bucket_reach, classes_by_row, row_losses
 from crossdistill.losses import KDTerm, VocabProjection, kd_count, kd_positions, teacher_targets
 from tests.unit.test_losses_student import make_problem, plain_kd
+
+
+def identity_problem(seed: int, n: int = 12, v: int = 20, h: int = 5, k: int = 6):
+    """A model on the student's tokenizer as its own teacher, one token per chunk: its hidden
+    states, lm_head, labels, its top-k KD term through the identity projection, and the
+    generator to draw more from."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    idx = torch.arange(n)
+    chunks = torch.stack([idx, idx + 1, idx, idx + 1], 1)
+    targets = teacher_targets(hidden, weight, kd_positions(chunks)[1], labels, k)
+    term = KDTerm(targets, VocabProjection.identity(v), chunks, torch.tensor(1.0), "forward_kl")
+    return hidden, weight, labels, term, gen
 
 
 def test_row_losses_add_up_to_the_plain_float64_loss():
@@ -35,18 +52,10 @@ def test_row_losses_add_up_to_the_plain_float64_loss():
 def test_a_model_standing_in_for_itself_pays_nothing():
     """One model on both sides through the identity projection: its top-k and tail are its own
     distribution's buckets, so every row's forward KL is 0."""
-    gen = torch.Generator().manual_seed(0)
-    n, v, h = 12, 20, 5
-    hidden = torch.randn(n, h, generator=gen, dtype=torch.float64)
-    weight = torch.randn(v, h, generator=gen, dtype=torch.float64)
-    labels = torch.randint(0, v, (n,), generator=gen)
-    idx = torch.arange(n)
-    chunks = torch.stack([idx, idx + 1, idx, idx + 1], 1)
-    targets = teacher_targets(hidden, weight, kd_positions(chunks)[1], labels, 6)
-    term = KDTerm(targets, VocabProjection.identity(v), chunks, torch.tensor(1.0), "forward_kl")
+    hidden, weight, labels, term, _ = identity_problem(0)
     got = row_losses(term, labels, hidden, weight)
     kd = got[~np.isnan(got)]
-    assert kd.size == n - 1 and np.abs(kd).max() < 1e-12
+    assert kd.size == hidden.shape[0] - 1 and np.abs(kd).max() < 1e-12
 
 
 def test_classes_by_row_put_each_chunk_at_its_kd_position():
@@ -57,3 +66,63 @@ def test_classes_by_row_put_each_chunk_at_its_kd_position():
     # row 0, chunk 2's row 2
     assert t.tolist() == [0, -1, 0, -1, -1, -1]
     assert a.tolist() == [2, -1, 1, -1, -1, -1]
+
+
+def _plain_bucket_kl(p, q, buckets):
+    """Forward KL between two float64 distributions summed into `buckets` (lists of ids)."""
+    total = 0.0
+    for ids in buckets:
+        a, b = sum(float(p[i]) for i in ids), sum(float(q[i]) for i in ids)
+        total += a * math.log(a / b) if a > 0 else 0.0
+    return total
+
+
+def test_bucket_reach_against_plain_float64_sums():
+    """`full`, `own` and `target` are the forward KL from the reference to the other model over
+    the whole vocabulary, over the reference's top-k and the rest, and over the first-piece
+    target's buckets (each student id holding its teacher tokens' mass, the rest the tail),
+    written out plainly; a bucketed KL never exceeds the full one."""
+    hidden, weight, labels, chunks, targets, proj = make_problem(5)
+    term = KDTerm(targets, proj, chunks, torch.tensor(1.0), "forward_kl")
+    term.denominator = torch.ones((), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    other = (torch.randn(hidden.shape, generator=gen, dtype=torch.float64), weight)
+    k = 4
+    got = bucket_reach(term, labels, (hidden, weight), other, k, rows=5)
+    p_all = torch.softmax(hidden @ weight.t(), 1)
+    q_all = torch.softmax(other[0] @ weight.t(), 1)
+    v_s = weight.shape[0]
+    rows = 0
+    for c in range(chunks.shape[0]):
+        if kd_positions(chunks[c : c + 1])[0].item() < 0:
+            continue
+        r = int(chunks[c, 0]) - 1
+        if np.isnan(got["target"][r]):
+            continue
+        rows += 1
+        p, q = p_all[r], q_all[r]
+        full = _plain_bucket_kl(p, q, [[i] for i in range(v_s)])
+        top = p.topk(k).indices.tolist()
+        own = _plain_bucket_kl(p, q, [[i] for i in top] + [[i for i in range(v_s) if i not in top]])
+        images = sorted({int(proj.first_piece[t]) for t in targets.topk_ids[c].tolist()} - {-1})
+        target = _plain_bucket_kl(
+            p, q, [[i] for i in images] + [[i for i in range(v_s) if i not in images]]
+        )
+        for name, want in (("full", full), ("own", own), ("target", target)):
+            assert abs(got[name][r] - want) <= 1e-12 * max(1.0, want), (name, r)
+        assert got["own"][r] <= full + 1e-12 and got["target"][r] <= full + 1e-12
+    assert rows == int(kd_count(term, labels)) > 3
+    assert np.isnan(got["target"]).sum() == got["target"].shape[0] - rows
+
+
+def test_bucket_reach_of_a_teacher_on_the_students_tokenizer_is_its_own_top_k():
+    """Through the identity projection the target's buckets are the teacher's top-k and the
+    tail: with that teacher as the reference, the target holds exactly what same-tokenizer KD
+    holds."""
+    hidden, weight, labels, term, gen = identity_problem(2)
+    other = (torch.randn(hidden.shape, generator=gen, dtype=torch.float64), weight)
+    got = bucket_reach(term, labels, (hidden, weight), other, 6)
+    kd = ~np.isnan(got["target"])
+    assert kd.sum() == hidden.shape[0] - 1
+    assert np.abs(got["target"][kd] - got["own"][kd]).max() < 1e-12
+    assert (got["full"][kd] > got["own"][kd]).all()
