@@ -4,8 +4,8 @@ buckets) that a student would pay if it were the run's same-tokenizer teacher, s
 of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
-        [--past-end all --past-end canonical] [--student RUN ...] [--reach] [--json FILE] \
-        [--device cpu]
+        [--past-end all --past-end canonical] [--student RUN ...] [--reach] [--observed] \
+        [--json FILE] [--device cpu]
 
 OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
 teacher stands in for the student a perfect distillation would give: a target that makes it pay
@@ -25,6 +25,11 @@ own top-k and tail (what same-tokenizer KD compares), the part the target's buck
 when the same-tokenizer teacher's own distribution fills them. A share well under 100% at a kind
 of chunk is information no teacher behind that target can give there; near 100%, what is lost
 there is in the cross teacher's numbers, not in the buckets.
+
+`--observed` splits each target's distance from the same-tokenizer teacher, by the chain rule,
+into the part from the bucket that holds the text's own next token against all the others, and
+the rest: whether a target is far from that teacher on the text it saw or on the alternatives
+(`observed_split`).
 
 Chunks are classed as `bpb_by_class.py` classes them (text: digits / whitespace / other; align:
 one_to_one / student_longer / student_shorter / many) at their KD position. Numbers are nats per
@@ -151,6 +156,34 @@ def _bucket_kl(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(a > float("-inf"), a.exp() * (a - b), 0.0).sum(1)
 
 
+def _one_part(tp: Any, name: str) -> list[Any]:
+    """A term plan's one bucket divergence (`--reach` and `--observed` read no other)."""
+    if len(tp.parts) != 1:
+        raise SystemExit(f"--reach and --observed read targets of one bucket divergence; {name} "
+                         f"has {len(tp.parts)} (lookahead_mix, gold, hkl: leave them out)")  # fmt: skip
+    return tp.parts
+
+
+def _kd_slices(kd: Tensor, part: Any, ref: tuple[Tensor, Tensor], temperature: float, rows: int):
+    """Per slice of at most `rows` rows: the KD rows `sel`, `part` cut to them, and `ref`'s
+    float64 log-probabilities there at `temperature`; checks that the cut's buckets hold
+    `ref`'s whole distribution once."""
+    from dataclasses import replace
+
+    h, w = ref
+    per_row = ("logq", "ids", "valid", "logq_tail")
+    for r0 in range(0, kd.shape[0], rows):
+        sel = torch.nonzero(kd[r0 : r0 + rows]).flatten() + r0
+        if sel.numel() == 0:
+            continue
+        lp = torch.log_softmax((h[sel.to(h.device)].double() @ w.double().t()) / temperature, 1)
+        cut = replace(part, **{k: getattr(part, k)[sel.to(getattr(part, k).device)].to(h.device)
+                               for k in per_row if getattr(part, k) is not None})  # fmt: skip
+        if (bucket_logprobs(cut, lp).exp().sum(1) - 1).abs().max() > 1e-9:
+            raise SystemExit("the target's buckets do not hold the vocabulary once each")
+        yield sel, cut, lp
+
+
 @torch.no_grad()
 def bucket_reach(
     term: Any, labels: Tensor, ref: tuple[Tensor, Tensor], other: tuple[Tensor, Tensor],
@@ -162,43 +195,61 @@ def bucket_reach(
     vocabulary (`full`), over `ref`'s own top-k and tail (`own`: what same-tokenizer KD
     compares) and over `term`'s buckets (`target`: what it compares; a perfect teacher behind
     the target would show the student no more). `[N]` float64 each, NaN on rows without KD."""
-    from dataclasses import replace
-
     from crossdistill.losses.plan import Part, build_plan
 
     plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
     tp = plan.terms[0]
-    if len(tp.parts) != 1:
-        raise SystemExit(f"--reach reads targets of one bucket divergence; {term.name} has "
-                         f"{len(tp.parts)} (lookahead_mix, gold, hkl: leave them out)")  # fmt: skip
-    (part,) = tp.parts
+    (part,) = _one_part(tp, term.name)
     kd = (tp.report_weight > 0).cpu()
     out = {k: np.full(kd.shape[0], np.nan) for k in ("full", "own", "target")}
-    per_row = ("logq", "ids", "valid", "logq_tail")
-    for r0 in range(0, kd.shape[0], rows):
-        sel = torch.nonzero(kd[r0 : r0 + rows]).flatten() + r0
-        if sel.numel() == 0:
-            continue
-        dev = ref[0].device
-        lp, lq = (
-            torch.log_softmax((h[sel.to(dev)].double() @ w.double().t()) / tp.temperature, 1)
-            for h, w in (ref, other)
-        )
+    for sel, cut, lp in _kd_slices(kd, part, ref, tp.temperature, rows):
+        h, w = other
+        lq = torch.log_softmax((h[sel.to(h.device)].double() @ w.double().t()) / tp.temperature, 1)
         top = lp.topk(min(top_k, lp.shape[1]), 1).indices
-        own = Part(
-            "forward_kl", lp.gather(1, top), ids=top, valid=torch.ones_like(top, dtype=torch.bool)
-        )
-        cut = replace(part, **{k: getattr(part, k)[sel.to(getattr(part, k).device)].to(dev)
-                               for k in per_row if getattr(part, k) is not None})  # fmt: skip
-        bp, bq = bucket_logprobs(cut, lp), bucket_logprobs(cut, lq)
-        if (bp.exp().sum(1) - 1).abs().max() > 1e-9:
-            raise SystemExit(f"{term.name}: its buckets do not hold the vocabulary once each")
+        ones = torch.ones_like(top, dtype=torch.bool)
+        own = Part("forward_kl", lp.gather(1, top), ids=top, valid=ones)
         at = sel.numpy()
         out["full"][at] = _bucket_kl(lp, lq).cpu().numpy()
         out["own"][at] = (
             _bucket_kl(bucket_logprobs(own, lp), bucket_logprobs(own, lq)).cpu().numpy()
         )
-        out["target"][at] = _bucket_kl(bp, bq).cpu().numpy()
+        out["target"][at] = (
+            _bucket_kl(bucket_logprobs(cut, lp), bucket_logprobs(cut, lq)).cpu().numpy()
+        )
+    return out
+
+
+@torch.no_grad()
+def observed_split(
+    term: Any, labels: Tensor, ref: tuple[Tensor, Tensor], rows: int = 256
+) -> dict[str, np.ndarray]:
+    """Where a target's distance from a model of the student's tokenizer lies: at the bucket
+    that holds the text's own next token or at the others. At each KD row of `term`, the
+    target's (`t_obs`) and `ref`'s (`p_obs`) probability of that bucket, the forward KL from
+    the target to `ref` over all buckets (`kl`, what `row_losses` reads) and its part from
+    that bucket against the rest alone (`kl_obs`: the two-way KL; `kl − kl_obs` is the rest's,
+    by the chain rule), and whether the bucket is the tail (`in_tail`). `[N]` float64 each,
+    NaN on rows without KD or without a next token."""
+    from crossdistill.losses.plan import build_plan
+
+    plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
+    (part,) = _one_part(plan.terms[0], term.name)
+    kd = ((plan.terms[0].report_weight > 0) & (labels >= 0)).cpu()  # a KD row with a token
+    keys = ("t_obs", "p_obs", "kl", "kl_obs", "in_tail")
+    out = {k: np.full(kd.shape[0], np.nan) for k in keys}
+    for sel, cut, lp in _kd_slices(kd, part, ref, plan.terms[0].temperature, rows):
+        lt = torch.cat([cut.logq, cut.logq_tail.unsqueeze(1)], 1).double()
+        bp = bucket_logprobs(cut, lp)
+        hot = torch.full_like(lp, float("-inf"))
+        hot.scatter_(1, labels[sel.to(labels.device)].to(lp.device).unsqueeze(1), 0.0)
+        obs = bucket_logprobs(cut, hot).argmax(1, keepdim=True)  # the one bucket holding it
+        t, q = lt.gather(1, obs)[:, 0].exp(), bp.gather(1, obs)[:, 0].exp()
+        two = torch.stack([t, 1 - t], 1).log(), torch.stack([q, 1 - q], 1).log()
+        at = sel.numpy()
+        out["t_obs"][at], out["p_obs"][at] = t.cpu().numpy(), q.cpu().numpy()
+        out["kl"][at] = _bucket_kl(lt, bp).cpu().numpy()
+        out["kl_obs"][at] = _bucket_kl(*two).cpu().numpy()
+        out["in_tail"][at] = (obs[:, 0] == lt.shape[1] - 1).double().cpu().numpy()
     return out
 
 
@@ -232,6 +283,25 @@ def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dic
     }
 
 
+def add_by_class(cell: dict[str, dict[str, float]], got: dict[str, np.ndarray], row_class) -> None:
+    """Adds per-row values `got` (NaN off the KD rows) into `cell`'s sums by row class."""
+    for name, mask in row_class.items():
+        m = mask & ~np.isnan(next(iter(got.values())))
+        acc = cell.setdefault(name, {k: 0.0 for k in got} | {"rows": 0})
+        for k, v in got.items():
+            acc[k] += float(v[m].sum())
+        acc["rows"] += int(m.sum())
+
+
+def means_by_class(cells: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """`add_by_class`'s sums as means per KD row, with the row counts."""
+    return {
+        name: {k: v / max(acc["rows"], 1) for k, v in acc.items() if k != "rows"}
+        | {"rows": acc["rows"]}
+        for name, acc in cells.items()
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the --out folder of a bench quality run")
@@ -247,6 +317,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reach", action="store_true",
                     help="also how much of the same-tokenizer teacher's difference from each "
                     "--student each target's buckets can hold (bucket_reach)")  # fmt: skip
+    ap.add_argument("--observed", action="store_true",
+                    help="also split each target's distance from the same-tokenizer teacher "
+                    "into the bucket of the text's own token and the rest (observed_split)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.reach and not args.student:
         ap.error(
@@ -305,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
         joins_t = Joins.from_rows(torch.from_numpy(own_joins(tok_t)), rows_t, rows_t)
         sums: dict[str, dict[str, dict[str, list[float]]]] = {}
         reach: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
+        observed: dict[str, dict[str, dict[str, float]]] = {}
         ends: dict[str, dict[str, list[float]]] = {}
         for i, b in enumerate(batches):
             sb, tb = b.student, b.teachers[0]
@@ -328,13 +402,10 @@ def main(argv: list[str] | None = None) -> None:
                 term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
                 for who in (w for w in stand if args.reach and w != "same_teacher"):
                     got = bucket_reach(term, labels, stand["same_teacher"], stand[who], base.top_k)
-                    cell = reach.setdefault(who, {}).setdefault(t, {})
-                    for name, mask in row_class.items():
-                        m = mask & ~np.isnan(got["target"])
-                        acc = cell.setdefault(name, {k: 0.0 for k in got} | {"rows": 0})
-                        for k, v in got.items():
-                            acc[k] += float(v[m].sum())
-                        acc["rows"] += int(m.sum())
+                    add_by_class(reach.setdefault(who, {}).setdefault(t, {}), got, row_class)
+                if args.observed:
+                    got = observed_split(term, labels, stand["same_teacher"])
+                    add_by_class(observed.setdefault(t, {}), got, row_class)
                 for who, (hidden_s, head_s) in stand.items():
                     per_row = row_losses(term, labels, hidden_s, head_s)
                     cell = sums.setdefault(who, {}).setdefault(t, {})
@@ -356,15 +427,12 @@ def main(argv: list[str] | None = None) -> None:
         }
         if reach:
             table.setdefault("reach", {})[label] = {
-                who: {
-                    t: {
-                        name: {k: v / max(acc["rows"], 1) for k, v in acc.items() if k != "rows"}
-                        | {"rows": acc["rows"]}
-                        for name, acc in cells.items()
-                    }
-                    for t, cells in per_t.items()
-                }
+                who: {t: means_by_class(cells) for t, cells in per_t.items()}
                 for who, per_t in reach.items()
+            }
+        if observed:
+            table.setdefault("observed", {})[label] = {
+                t: means_by_class(cells) for t, cells in observed.items()
             }
         table["end_step"] = {
             label: {
@@ -379,6 +447,17 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def print_table(table: dict[str, Any]) -> None:
+    for label, per_t in table.get("observed", {}).items():
+        for t, per_class in per_t.items():
+            print(f"\nteacher {label}, target {t}: the bucket of the text's own token, nats and "
+                  "probabilities per KD position: the target's distance from the same-tokenizer "
+                  "teacher (KL), the part from that bucket against the rest, the two "
+                  "probabilities of that bucket, and how often it is the tail")  # fmt: skip
+            print(f"  {'class':28s} {'KL':>8s} {'its part':>9s} {'target':>8s} {'teacher':>8s} "
+                  f"{'in tail':>8s}")  # fmt: skip
+            for name, r in per_class.items():
+                print(f"  {name:28s} {r['kl']:8.4f} {r['kl_obs']:9.4f} {r['t_obs']:8.4f} "
+                      f"{r['p_obs']:8.4f} {r['in_tail']:8.1%}")  # fmt: skip
     for label, per_who in table.get("reach", {}).items():
         for who, per_t in per_who.items():
             print(f"\nteacher {label}: the same-tokenizer teacher's forward KL to {who}, nats per "

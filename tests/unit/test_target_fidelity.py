@@ -8,7 +8,7 @@ import math
 import numpy as np
 import torch
 
-from benchmarks.target_fidelity import bucket_reach, classes_by_row, row_losses
+from benchmarks.target_fidelity import bucket_reach, classes_by_row, observed_split, row_losses
 from crossdistill.losses import KDTerm, VocabProjection, kd_count, kd_positions, teacher_targets
 from tests.unit.test_losses_student import make_problem, plain_kd
 
@@ -126,3 +126,49 @@ def test_bucket_reach_of_a_teacher_on_the_students_tokenizer_is_its_own_top_k():
     assert kd.sum() == hidden.shape[0] - 1
     assert np.abs(got["target"][kd] - got["own"][kd]).max() < 1e-12
     assert (got["full"][kd] > got["own"][kd]).all()
+
+
+def test_observed_split_against_plain_float64_sums():
+    """At each KD row: the first-piece target's and the reference's probability of the bucket
+    holding the text's token (its student id, or the tail when no top-k teacher token lands
+    there), the whole KL, which is `row_losses`' value, and the two-way KL of that bucket
+    against the rest, written out plainly."""
+    hidden, weight, labels, chunks, targets, proj = make_problem(7)
+    term = KDTerm(targets, proj, chunks, torch.tensor(1.0), "forward_kl")
+    term.denominator = torch.ones((), dtype=torch.float64)
+    got = observed_split(term, labels, (hidden, weight), rows=4)
+    whole = row_losses(term, labels, hidden, weight)
+    p_all = torch.softmax(hidden @ weight.t(), 1)
+    tails = seen = 0
+    for c in range(chunks.shape[0]):
+        r = int(chunks[c, 0]) - 1
+        if kd_positions(chunks[c : c + 1])[0].item() < 0 or np.isnan(got["kl"][r]):
+            continue
+        seen += 1
+        q = targets.topk_logprobs[c].exp()
+        mass: dict[int, float] = {}
+        for t, w in zip(targets.topk_ids[c].tolist(), q.tolist()):
+            s = int(proj.first_piece[t])
+            mass[s] = mass.get(s, 0.0) + w  # -1: the tail
+        mass[-1] = mass.get(-1, 0.0) + float(targets.tail_logprob[c].exp())
+        label = int(labels[r])
+        own = label if label in mass else -1
+        singles = [i for i in mass if i >= 0]
+        p_tail = 1.0 - sum(float(p_all[r, i]) for i in singles)
+        p_of = {i: float(p_all[r, i]) for i in singles} | {-1: p_tail}
+        t_obs, p_obs = mass[own], p_of[own]
+        kl = sum(m * math.log(m / p_of[i]) for i, m in mass.items() if m > 0)
+        two = t_obs * math.log(t_obs / p_obs) + (1 - t_obs) * math.log((1 - t_obs) / (1 - p_obs))
+        for name, want in (("t_obs", t_obs), ("p_obs", p_obs), ("kl", kl), ("kl_obs", two)):
+            assert abs(got[name][r] - want) <= 1e-10 * max(1.0, abs(want)), (name, r)
+        assert abs(got["kl"][r] - whole[r]) <= 1e-10 * max(1.0, abs(whole[r]))
+        assert got["in_tail"][r] == float(own == -1)
+        tails += own == -1
+    no_token = sum(
+        1
+        for c in range(chunks.shape[0])
+        if kd_positions(chunks[c : c + 1])[0].item() >= 0 and labels[int(chunks[c, 0]) - 1] < 0
+    )
+    assert seen == int(kd_count(term, labels)) - no_token > 3
+    assert np.isnan(got["kl"]).sum() == got["kl"].shape[0] - seen
+    assert 0 < tails < seen  # both kinds of row are checked
