@@ -156,11 +156,12 @@ def _bucket_kl(a: Tensor, b: Tensor) -> Tensor:
     return torch.where(a > float("-inf"), a.exp() * (a - b), 0.0).sum(1)
 
 
-def _one_part(tp: Any, name: str) -> list[Any]:
+def _one_part(tp: Any) -> list[Any]:
     """A term plan's one bucket divergence (`--reach` and `--observed` read no other)."""
     if len(tp.parts) != 1:
-        raise SystemExit(f"--reach and --observed read targets of one bucket divergence; {name} "
-                         f"has {len(tp.parts)} (lookahead_mix, gold, hkl: leave them out)")  # fmt: skip
+        raise SystemExit(f"--reach and --observed read targets of one bucket divergence, not "
+                         f"{len(tp.parts)}: leave out lookahead_mix, and the gold and hkl "
+                         "losses")  # fmt: skip
     return tp.parts
 
 
@@ -199,7 +200,7 @@ def bucket_reach(
 
     plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
     tp = plan.terms[0]
-    (part,) = _one_part(tp, term.name)
+    (part,) = _one_part(tp)
     kd = (tp.report_weight > 0).cpu()
     out = {k: np.full(kd.shape[0], np.nan) for k in ("full", "own", "target")}
     for sel, cut, lp in _kd_slices(kd, part, ref, tp.temperature, rows):
@@ -233,7 +234,7 @@ def observed_split(
     from crossdistill.losses.plan import build_plan
 
     plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
-    (part,) = _one_part(plan.terms[0], term.name)
+    (part,) = _one_part(plan.terms[0])
     kd = ((plan.terms[0].report_weight > 0) & (labels >= 0)).cpu()  # a KD row with a token
     keys = ("t_obs", "p_obs", "kl", "kl_obs", "in_tail")
     out = {k: np.full(kd.shape[0], np.nan) for k in keys}
@@ -333,8 +334,11 @@ def main(argv: list[str] | None = None) -> None:
     from crossdistill.models import load_tokenizer
     from crossdistill.train.build import build_projection_for
 
-    for t in args.target:
-        target_kind(t)  # an unknown name: one line listing the targets
+    for t in args.target:  # target_kind: an unknown name is one line listing the targets
+        if target_kind(t).mix and (args.reach or args.observed):
+            ap.error(
+                f"--reach and --observed read one bucket divergence; {t} has two: leave it out"
+            )
     args.past_end = list(dict.fromkeys(args.past_end or ["all"]))
     summary = json.loads((args.out / "summary.json").read_text())
     same = summary["same_tokenizer"]
