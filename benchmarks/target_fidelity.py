@@ -61,6 +61,7 @@ from benchmarks.bpb_by_class import (  # noqa: E402
     teacher_folder,
     text_class_of_tokens,
 )
+from crossdistill.losses.reference import bucket_logprobs  # noqa: E402
 
 
 def classes_by_row(chunks: np.ndarray, text: np.ndarray, align: np.ndarray, rows: int):
@@ -120,14 +121,21 @@ def term_of(tcfg: Any, projection: Any, tb: Any, hidden_t, head_t, device) -> An
     return term
 
 
+def float64_plan(term: Any, labels: Tensor) -> Any:
+    """`term`'s plan in float64, KD at weight 1 and CE over 1 token, as every reading here
+    takes it."""
+    from crossdistill.losses.plan import build_plan
+
+    return build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
+
+
 def row_losses(term: Any, labels, hidden_s, head_s) -> np.ndarray:
     """`[N]` float64: the term's KD loss at each student row with the stand-in's `hidden_s`,
     `head_s` (NaN on rows without KD): the plain full-logits reference, each row's value read
     as the gradient of the total by that row's weight."""
-    from crossdistill.losses.plan import build_plan
     from crossdistill.losses.reference import reference_loss
 
-    plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
+    plan = float64_plan(term, labels)
     plan.ce_weight = torch.zeros_like(plan.ce_weight)
     tp = plan.terms[0]
     kd = tp.report_weight > 0
@@ -138,37 +146,26 @@ def row_losses(term: Any, labels, hidden_s, head_s) -> np.ndarray:
     return torch.where(kd, per_row, float("nan")).numpy()
 
 
-def bucket_logprobs(part: Any, logp: Tensor) -> Tensor:
-    """`[N, B + 1]` float64: a distribution's log-probabilities `logp [N, V_s]` summed into one
-    part's buckets, the tail last, as the reference loss sums the student's."""
-    from crossdistill.losses.reference import _grouped_buckets, _tail
-
-    if part.groups is not None:
-        buckets, tail = _grouped_buckets(part, logp)
-    else:
-        buckets = torch.where(part.valid, logp.gather(1, part.ids), float("-inf"))
-        tail = _tail(logp, part.ids, part.valid)
-    return torch.cat([buckets, tail.unsqueeze(1)], 1)
-
-
 def _bucket_kl(a: Tensor, b: Tensor) -> Tensor:
     """`[N]` forward KL between two rows of bucket log-probabilities (0·log 0 = 0)."""
     return torch.where(a > float("-inf"), a.exp() * (a - b), 0.0).sum(1)
 
 
-def _one_part(tp: Any) -> list[Any]:
-    """A term plan's one bucket divergence (`--reach` and `--observed` read no other)."""
+def _one_part_plan(term: Any, labels: Tensor) -> tuple[Any, Any]:
+    """`term`'s float64 plan as `row_losses` builds it, and its one bucket divergence
+    (`--reach` and `--observed` read no other)."""
+    tp = float64_plan(term, labels).terms[0]
     if len(tp.parts) != 1:
         raise SystemExit(f"--reach and --observed read targets of one bucket divergence, not "
                          f"{len(tp.parts)}: leave out lookahead_mix, and the gold and hkl "
                          "losses")  # fmt: skip
-    return tp.parts
+    return tp, tp.parts[0]
 
 
 def _kd_slices(kd: Tensor, part: Any, ref: tuple[Tensor, Tensor], temperature: float, rows: int):
-    """Per slice of at most `rows` rows: the KD rows `sel`, `part` cut to them, and `ref`'s
-    float64 log-probabilities there at `temperature`; checks that the cut's buckets hold
-    `ref`'s whole distribution once."""
+    """Per slice of at most `rows` rows: the KD rows `sel`, `part` cut to them, `ref`'s
+    float64 log-probabilities there at `temperature`, and those summed into the cut's buckets,
+    which it checks hold `ref`'s whole distribution once."""
     from dataclasses import replace
 
     h, w = ref
@@ -180,9 +177,10 @@ def _kd_slices(kd: Tensor, part: Any, ref: tuple[Tensor, Tensor], temperature: f
         lp = torch.log_softmax((h[sel.to(h.device)].double() @ w.double().t()) / temperature, 1)
         cut = replace(part, **{k: getattr(part, k)[sel.to(getattr(part, k).device)].to(h.device)
                                for k in per_row if getattr(part, k) is not None})  # fmt: skip
-        if (bucket_logprobs(cut, lp).exp().sum(1) - 1).abs().max() > 1e-9:
+        bp = bucket_logprobs(cut, lp)
+        if (bp.exp().sum(1) - 1).abs().max() > 1e-9:
             raise SystemExit("the target's buckets do not hold the vocabulary once each")
-        yield sel, cut, lp
+        yield sel, cut, lp, bp
 
 
 @torch.no_grad()
@@ -196,14 +194,12 @@ def bucket_reach(
     vocabulary (`full`), over `ref`'s own top-k and tail (`own`: what same-tokenizer KD
     compares) and over `term`'s buckets (`target`: what it compares; a perfect teacher behind
     the target would show the student no more). `[N]` float64 each, NaN on rows without KD."""
-    from crossdistill.losses.plan import Part, build_plan
+    from crossdistill.losses.plan import Part
 
-    plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
-    tp = plan.terms[0]
-    (part,) = _one_part(tp)
+    tp, part = _one_part_plan(term, labels)
     kd = (tp.report_weight > 0).cpu()
     out = {k: np.full(kd.shape[0], np.nan) for k in ("full", "own", "target")}
-    for sel, cut, lp in _kd_slices(kd, part, ref, tp.temperature, rows):
+    for sel, cut, lp, bp in _kd_slices(kd, part, ref, tp.temperature, rows):
         h, w = other
         lq = torch.log_softmax((h[sel.to(h.device)].double() @ w.double().t()) / tp.temperature, 1)
         top = lp.topk(min(top_k, lp.shape[1]), 1).indices
@@ -214,9 +210,7 @@ def bucket_reach(
         out["own"][at] = (
             _bucket_kl(bucket_logprobs(own, lp), bucket_logprobs(own, lq)).cpu().numpy()
         )
-        out["target"][at] = (
-            _bucket_kl(bucket_logprobs(cut, lp), bucket_logprobs(cut, lq)).cpu().numpy()
-        )
+        out["target"][at] = _bucket_kl(bp, bucket_logprobs(cut, lq)).cpu().numpy()
     return out
 
 
@@ -231,16 +225,12 @@ def observed_split(
     that bucket against the rest alone (`kl_obs`: the two-way KL; `kl − kl_obs` is the rest's,
     by the chain rule), and whether the bucket is the tail (`in_tail`). `[N]` float64 each,
     NaN on rows without KD or without a next token."""
-    from crossdistill.losses.plan import build_plan
-
-    plan = build_plan(labels, [term], kd_ratio=1.0, ce_denominator=1.0, dtype=torch.float64)
-    (part,) = _one_part(plan.terms[0])
-    kd = ((plan.terms[0].report_weight > 0) & (labels >= 0)).cpu()  # a KD row with a token
+    tp, part = _one_part_plan(term, labels)
+    kd = ((tp.report_weight > 0) & (labels >= 0)).cpu()  # a KD row with a token
     keys = ("t_obs", "p_obs", "kl", "kl_obs", "in_tail")
     out = {k: np.full(kd.shape[0], np.nan) for k in keys}
-    for sel, cut, lp in _kd_slices(kd, part, ref, plan.terms[0].temperature, rows):
+    for sel, cut, lp, bp in _kd_slices(kd, part, ref, tp.temperature, rows):
         lt = torch.cat([cut.logq, cut.logq_tail.unsqueeze(1)], 1).double()
-        bp = bucket_logprobs(cut, lp)
         hot = torch.full_like(lp, float("-inf"))
         hot.scatter_(1, labels[sel.to(labels.device)].to(lp.device).unsqueeze(1), 0.0)
         obs = bucket_logprobs(cut, hot).argmax(1, keepdim=True)  # the one bucket holding it

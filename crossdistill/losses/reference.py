@@ -39,14 +39,19 @@ def _part_loss(part: Part, logp: Tensor, weight: Tensor) -> Tensor:
         top, ids = source.topk(min(part.logq.shape[1], logp.shape[1]), dim=1)
         tail_s = None if part.logq_tail is None else _tail(logp, ids, None)
         return div.uld(part.logq, top, weight, part.logq_tail, tail_s)
+    lq = torch.cat([part.logq, part.logq_tail.unsqueeze(1)], 1)
+    return _BUCKET_FNS[part.divergence](lq, bucket_logprobs(part, logp), weight, **part.params)
+
+
+def bucket_logprobs(part: Part, logp: Tensor) -> Tensor:
+    """`[N, B + 1]`: log-probabilities `logp [N, V_s]` summed into a part's buckets (`ids` not
+    None), its tail last: what the part's divergence compares with its teacher's `logq`."""
     if part.groups is not None:
         logp_b, tail = _grouped_buckets(part, logp)
     else:
         logp_b = torch.where(part.valid, logp.gather(1, part.ids), NEG_INF)
         tail = _tail(logp, part.ids, part.valid)
-    lq = torch.cat([part.logq, part.logq_tail.unsqueeze(1)], 1)
-    lp = torch.cat([logp_b, tail.unsqueeze(1)], 1)
-    return _BUCKET_FNS[part.divergence](lq, lp, weight, **part.params)
+    return torch.cat([logp_b, tail.unsqueeze(1)], 1)
 
 
 def _grouped_buckets(part: Part, logp: Tensor) -> tuple[Tensor, Tensor]:
