@@ -60,6 +60,8 @@ CHECKPOINT_SCOPES: tuple[str, ...] = get_args(CheckpointScope)
 KDChunks = Literal["all", "single_side"]
 # which continuations the step past a student token's end moves (`TeacherConfig.past_end`)
 PastEnd = Literal["all", "canonical"]
+# the lookahead targets at a chunk of several tokens on both sides (`TeacherConfig.many_chunks`)
+ManyChunks = Literal["first_piece", "path"]
 # the share unseen teacher tokens are drawn toward by `lookahead_split` (`TeacherConfig.split_prior`)
 SplitPrior = Literal["boundaries", "tokens"]
 # the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
@@ -178,6 +180,13 @@ class TeacherConfig(ModelConfig):
     # never writes": on Perl's near pair at the cpu scale it changed the students by under 0.03%,
     # so "all" stays). With identical tokenizers "canonical" moves nothing
     past_end: PastEnd = "all"
+    # the lookahead targets at a chunk of several tokens on both sides, where the student's first
+    # token ends inside a teacher token: "first_piece" gives the KD position the first piece's
+    # buckets (the teacher's first token names a student token the text does not have there);
+    # "path" gives the student's first token the teacher's mass of the text it covers: the
+    # teacher's first token's where the student's is shorter, else the mass that reaches the
+    # teacher token crossing its end along the observed path (found from byte lengths)
+    many_chunks: ManyChunks = "first_piece"
     # `lookahead_split` draws each teacher token's counted share toward a share over all tokens
     # (`train.short_share`): "boundaries", the share over every boundary counted; "tokens", the
     # mean of the seen tokens' shares, each token once, so that a few frequent tokens that split

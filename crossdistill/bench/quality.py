@@ -357,18 +357,25 @@ class Experiment:
                 reads = target == "auto" or any(
                     target_kind(part).past_end for part in target_parts(target)
                 )
-                for ratio, chunks, ce, warmup, end in itertools.product(
+                # many_chunks changes only a lookahead target (or `auto`)
+                ahead = target == "auto" or any(
+                    target_kind(part).lookahead for part in target_parts(target)
+                )
+                for ratio, chunks, ce, warmup, end, many in itertools.product(
                     spec.kd_ratios,
                     spec.kd_chunks,
                     spec.ce_without_kd,
                     spec.kd_warmup_steps,
                     spec.past_end if reads else [TeacherConfig.past_end],
+                    spec.many_chunks if ahead else [TeacherConfig.many_chunks],
                 ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
                         name += f"-{chunks}"
                     if end != TeacherConfig.past_end:
                         name += f"-past_end_{end}"
+                    if many != TeacherConfig.many_chunks:
+                        name += f"-many_{many}"
                     if ce != TrainConfig.ce_without_kd:
                         name += f"-ce_{ce}"
                     if warmup != TrainConfig.kd_warmup_steps:
@@ -386,6 +393,7 @@ class Experiment:
                             warmup,
                             kd_ratio=ratio,
                             past_end=end,
+                            many_chunks=many,
                         )
                     )
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
@@ -581,7 +589,13 @@ class Experiment:
             for name, target in terms:
                 entry = self._teacher_entry(cell.teacher, teacher_seed, cell.loss, target)
                 teachers.append(
-                    {**entry, "name": name, "kd_chunks": cell.kd_chunks, "past_end": cell.past_end}
+                    {
+                        **entry,
+                        "name": name,
+                        "kd_chunks": cell.kd_chunks,
+                        "past_end": cell.past_end,
+                        "many_chunks": cell.many_chunks,
+                    }
                 )
                 if len(terms) > 1:  # one KD term per target, the weight shared equally
                     teachers[-1]["weight"] = 1 / len(terms)
@@ -646,6 +660,7 @@ class Experiment:
             "targets": self.spec.targets,
             "kd_chunks": self.spec.kd_chunks,
             "past_end": self.spec.past_end,
+            "many_chunks": self.spec.many_chunks,
             "ce_without_kd": self.spec.ce_without_kd,
             "kd_warmup_steps": self.spec.kd_warmup_steps,
             "kd_ratios": self.spec.kd_ratios,

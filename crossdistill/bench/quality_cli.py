@@ -21,6 +21,7 @@ from crossdistill.config import (
     TARGETS,
     CEWithoutKD,
     KDChunks,
+    ManyChunks,
     PastEnd,
     TeacherConfig,
     TrainConfig,
@@ -95,6 +96,7 @@ def add_parser(subparsers) -> None:
     for flag, choices, setting, default in (
         ("--kd-chunks", KDChunks, "teachers.N.kd_chunks", TeacherConfig.kd_chunks),
         ("--past-end", PastEnd, "teachers.N.past_end", TeacherConfig.past_end),
+        ("--many-chunks", ManyChunks, "teachers.N.many_chunks", TeacherConfig.many_chunks),
         ("--ce-without-kd", CEWithoutKD, "train.ce_without_kd", TrainConfig.ce_without_kd),
     ):
         p.add_argument(
@@ -258,6 +260,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         targets=list(dict.fromkeys(args.target or [TeacherConfig.target])),
         kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
         past_end=list(dict.fromkeys(args.past_end or [TeacherConfig.past_end])),
+        many_chunks=list(dict.fromkeys(args.many_chunks or [TeacherConfig.many_chunks])),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
         kd_ratios=list(dict.fromkeys(args.kd_ratio or [TrainConfig.kd_ratio])),

@@ -29,6 +29,7 @@ class Cell:
     kd_warmup_steps: int = TrainConfig.kd_warmup_steps
     kd_ratio: float = TrainConfig.kd_ratio
     past_end: str = TeacherConfig.past_end
+    many_chunks: str = TeacherConfig.many_chunks
 
 
 def summarize(
@@ -152,6 +153,7 @@ def summarize(
             "target": cell.target,
             "kd_chunks": cell.kd_chunks,
             "past_end": cell.past_end,
+            "many_chunks": cell.many_chunks,
             "ce_without_kd": cell.ce_without_kd,
             "kd_warmup_steps": cell.kd_warmup_steps,
             "kd_ratio": cell.kd_ratio,
@@ -377,6 +379,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" kd_chunks {entry['kd_chunks']}"
         if entry.get("past_end", TeacherConfig.past_end) != TeacherConfig.past_end:
             label += f" past_end {entry['past_end']}"
+        if entry.get("many_chunks", TeacherConfig.many_chunks) != TeacherConfig.many_chunks:
+            label += f" many_chunks {entry['many_chunks']}"
         if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
             label += f" ce_without_kd {entry['ce_without_kd']}"
         if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):

@@ -17,6 +17,7 @@ from crossdistill.config import (
     TARGETS,
     CEWithoutKD,
     KDChunks,
+    ManyChunks,
     PastEnd,
     TeacherConfig,
     TrainConfig,
@@ -242,6 +243,8 @@ class QualitySpec:
     # the cross cells' `past_end` (the targets that read past the student token's end): each
     # cross cell runs under each
     past_end: list[str] = field(default_factory=lambda: [TeacherConfig.past_end])
+    # the cross cells' `many_chunks` (the lookahead targets): each cross cell runs under each
+    many_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.many_chunks])
     # the cross cells' `train.ce_without_kd`: each cross cell runs under each
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
@@ -286,6 +289,7 @@ class QualitySpec:
         for flag, names, kind in (
             ("--kd-chunks", self.kd_chunks, KDChunks),
             ("--past-end", self.past_end, PastEnd),
+            ("--many-chunks", self.many_chunks, ManyChunks),
             ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),
         ):
             choices = get_args(kind)

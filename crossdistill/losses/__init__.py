@@ -36,6 +36,7 @@ from crossdistill.losses.objective import student_loss
 from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, kd_count, kd_valid
 from crossdistill.losses.projection import (
     Buckets,
+    ByteLengths,
     Joins,
     PrefixGroups,
     VocabProjection,
@@ -63,6 +64,7 @@ __all__ = [
     "TARGET_KINDS",
     "LOSSES",
     "Buckets",
+    "ByteLengths",
     "Joins",
     "PrefixGroups",
     "KDTerm",

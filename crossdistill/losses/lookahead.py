@@ -39,6 +39,20 @@ of Perl's text, too little to move its students (under 0.03%; benchmarks/README.
 past the end on a split the teacher never writes"), so it is an option, off by default. With
 identical tokenizers every such x is one the teacher joins, so the step moves nothing.
 
+Under `teachers.N.many_chunks: path` a chunk of several tokens on both sides is read the same
+way up to where its first student token ends. There the two sides' first tokens end at
+different bytes: the student's first token s ends inside some teacher token `t_j`, and the
+text says that the student wrote s where the teacher wrote `t_0 … t_j`. Where j ≥ 1 (s runs
+past the teacher's first token, as Llama-3's `_color` over Mistral's `_` and `colors`) the path
+goes down `t_0 … t_j` as for a chunk of one student token over j + 1 teacher tokens, and the
+mass that reaches `t_j` goes to s. Where j = 0 (s is shorter than `t_0`, as Llama-3's ` allo`
+under Mistral's ` alloc`) `t_0`'s whole mass goes to s (the context target's split with
+nothing left to read). The first-piece buckets this replaces give `t_0`'s mass to the student
+token spelling `t_0` or its first piece (`_`, ` alloc`), which the text does not have there,
+and leave s in the tail. No step past the end follows: the teacher's next position is past
+`t_j`, inside the student's next token. `plan.first_token_ends` finds j from the tokens' byte
+lengths.
+
 `lookahead_prefix` keeps the lookahead target along the observed path and changes where the
 KD position's other entries go. The first piece gives an alternative x ≠ `t_0` whole to the
 student token spelling x, though `p(x)` also covers the student's longer tokens that start with
@@ -154,7 +168,9 @@ def project_lookahead(
 
     `topk_* [C, D, K]`, `tail_logprob [C, D]`: the teacher's top-k at each chunk's KD position
     (depth 0) and the D − 1 positions after it; `observed [C, D]` the chunk's teacher tokens
-    (−1 past its end or where the target does not apply); `length [C]` its teacher tokens;
+    (−1 past its end or where the target does not apply); `length [C]` its teacher tokens, at
+    a chunk of several student tokens those up to the one crossing the end of the first
+    (`plan.first_token_ends`);
     `log_rest [C, D + 1]` at τ = 1, column d: the log-probability of the chunk's teacher tokens
     from `t_d` to its end (0 past it); `continuation` as for the context target. `single [C]`
     (`lookahead_end`, `lookahead_prefix_end`): chunks of one student token; the rows past a
@@ -168,7 +184,7 @@ def project_lookahead(
     chain = prefix_chain(obs, projection, depth)
     label = continuation.label.long()
     ok = (label >= 0) & (chain[:, 1] >= 0) & (depth > 1)
-    start = continuation.active & ok
+    start = continuation.active & ok & (length > 1)
     past_end = single is not None
     if past_end and only is not None:
         single = single & only
@@ -214,7 +230,10 @@ def project_lookahead(
         at_end = length <= d + 1
         go_on = (reached > NEG_INF) & ~at_end & (d + 1 < depth) & (a_next >= 0)
         stop = (reached > NEG_INF) & ~go_on
-        wait = stop & at_end & past_end & (d + 1 < depth)  # ends at the next depth
+        # ends at the next depth: a chunk of one student token, whose end is the teacher's
+        wait = stop & at_end & past_end & (d + 1 < depth)
+        if past_end:
+            wait = wait & single
         ending = torch.where(wait, reached, ending)
         stop = stop & ~wait
         rest = torch.where(at_end, 0.0, log_rest[:, d + 1].to(lp.dtype).clamp(max=0.0))

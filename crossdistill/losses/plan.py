@@ -270,22 +270,63 @@ def _bucket_rows(b: Buckets, rows: Tensor, valid: Tensor, n: int) -> tuple[Tenso
     )
 
 
-def continuation(term: KDTerm, labels_s: Tensor) -> Continuation | None:
+def chunk_labels(term: KDTerm, labels_s: Tensor) -> Tensor:
+    """`[C]` the student's first token of each chunk (the label of its KD row), −1 where the
+    chunk starts its sequence."""
+    s0 = term.chunks[:, 0]
+    n = labels_s.shape[0]
+    return torch.where(s0 > 0, labels_s[(s0 - 1).clamp(0, n - 1)], -1)
+
+
+def first_token_ends(term: KDTerm, labels_s: Tensor) -> tuple[Tensor, Tensor]:
+    """Where each chunk ends as its first student token sees it: `[C]` teacher rows, and `[C]`
+    the chunks of several tokens on both sides read that way. The row is the chunk's end `t1`,
+    except at such a chunk under a projection with byte lengths (`teachers.N.many_chunks: path`),
+    where it is the end of the teacher token that crosses the end of the student's first token
+    (the chunk's first token where the student's is the shorter one, or a later one, which may
+    be the chunk's last). That token must be one of the chunk's first D (`term.lookahead`); a
+    chunk whose byte counts do not place the crossing strictly inside a teacher token keeps
+    `t1` and the first piece."""
+    s0, s1, t0, t1 = term.chunks.unbind(-1)
+    lengths = term.projection.byte_lengths
+    if lengths is None or term.lookahead is None:
+        return t1, torch.zeros_like(t1, dtype=torch.bool)
+    obs = term.lookahead.long()
+    depth = obs.shape[1]
+    label = chunk_labels(term, labels_s)
+    n_s = torch.where(label >= 0, lengths.student[label.clamp(min=0)], 0).long()
+    n_t = torch.where(obs >= 0, lengths.teacher[obs.clamp(min=0)], 0).long().cumsum(-1)
+    inside = ((n_t <= n_s[:, None]) & (obs >= 0)).sum(-1)  # whole teacher tokens in the student's
+    at = inside.clamp(max=depth - 1)[:, None]
+    before = n_t.gather(-1, (at - 1).clamp(min=0)).squeeze(-1)
+    crosses = (inside < depth) & (obs.gather(-1, at).squeeze(-1) >= 0) & (n_s > 0)
+    crosses = crosses & ((inside == 0) | (before < n_s)) & (label >= 0)
+    crossing = (s1 - s0 > 1) & (t1 - t0 > 1) & crosses
+    return torch.where(crossing, t0 + inside + 1, t1), crossing
+
+
+def continuation(
+    term: KDTerm, labels_s: Tensor, first_token: tuple[Tensor, Tensor] | None = None
+) -> Continuation | None:
     """The context-aware target's view of each chunk (None without `term.first_t` or
-    `term.lookahead`)."""
+    `term.lookahead`); `first_token`: where each chunk ends for its first student token and
+    the chunks of several tokens on both sides read so (`first_token_ends`; default the chunks'
+    ends, none). Those chunks are active as chunks of one student token: their rest is the
+    teacher's tokens up to that end."""
     first_t = term.first_t if term.lookahead is None else term.lookahead[:, 0]
     if first_t is None:
         return None
     s0, s1, t0, t1 = term.chunks.unbind(-1)
-    n = labels_s.shape[0]
-    label = labels_s[(s0 - 1).clamp(0, n - 1)]
+    ends, crossing = (
+        (t1, torch.zeros_like(t1, dtype=torch.bool)) if first_token is None else first_token
+    )
     tg = term.targets
-    rest_bad = _span_sums((~tg.next_valid).double(), t0, t1 - 1)
+    rest_bad = _span_sums((~tg.next_valid).double(), t0, ends - 1)
     return Continuation(
         first_t=first_t.long(),
-        label=torch.where(s0 > 0, label, -1),
-        log_rest=_span_sums(tg.next_logprobs, t0, t1 - 1),
-        active=(s1 - s0 == 1) & (t1 - t0 > 1) & (rest_bad == 0),
+        label=chunk_labels(term, labels_s),
+        log_rest=_span_sums(tg.next_logprobs, t0, ends - 1),
+        active=((s1 - s0 == 1) & (t1 - t0 > 1) | crossing) & (rest_bad == 0),
     )
 
 
@@ -314,17 +355,22 @@ def _parts(term: KDTerm, rows: Tensor, valid: Tensor, n: int, labels_s: Tensor) 
         ids, logq, ok, tail = _bucket_rows(b, rows, valid, n)
         part = Part(term.loss, logq, ids=ids, valid=ok, logq_tail=tail, params=params)
         return [dataclasses.replace(part, groups=g.student_event, num_events=g.num_events)]
-    cont = continuation(term, labels_s)
     if term.lookahead is None:
+        cont = continuation(term, labels_s)
         b = project_topk(tg.topk_ids, tg.topk_logprobs, tg.tail_logprob, proj, cont)
         return [_projected_part(term, b, rows, valid, n, params)]
+    first_token = first_token_ends(term, labels_s)
+    cont = continuation(term, labels_s, first_token)
+    ends = first_token[0]
     if term.mix and proj.groups is not None:  # lookahead_mix: without the groups, then with them
         parts = [
-            _projected_part(term, _lookahead_buckets(term, cont, groups), rows, valid, n, params)
+            _projected_part(
+                term, _lookahead_buckets(term, cont, groups, ends), rows, valid, n, params
+            )
             for groups in (None, proj.groups)
         ]
         return [dataclasses.replace(p, scale=0.5) for p in parts]
-    b = _lookahead_buckets(term, cont, proj.groups)
+    b = _lookahead_buckets(term, cont, proj.groups, ends)
     return [_projected_part(term, b, rows, valid, n, params)]
 
 
@@ -342,13 +388,16 @@ def _projected_part(
     return part
 
 
-def _lookahead_buckets(term: KDTerm, cont: Continuation, groups: PrefixGroups | None) -> Buckets:
+def _lookahead_buckets(
+    term: KDTerm, cont: Continuation, groups: PrefixGroups | None, ends: Tensor
+) -> Buckets:
     """The lookahead target's buckets `[C, L]` from targets at D rows per chunk; `groups`: the
-    KD position's other entries in their groups (`lookahead_prefix`), or None."""
+    KD position's other entries in their groups (`lookahead_prefix`), or None; `ends [C]`:
+    where each chunk ends for its first student token (`first_token_ends`)."""
     tg, chunks = term.targets, term.chunks
     c, depth = term.lookahead.shape
     s0, s1, t0, t1 = chunks.unbind(-1)
-    rest = [_span_sums(tg.next_logprobs, t0 - 1 + d, t1 - 1) for d in range(depth + 1)]
+    rest = [_span_sums(tg.next_logprobs, t0 - 1 + d, ends - 1) for d in range(depth + 1)]
     longer = (s1 - s0 == 1) & (t1 - t0 > 1) if term.longer_only else None
     return project_lookahead(
         tg.topk_ids.view(c, depth, -1),
@@ -357,7 +406,7 @@ def _lookahead_buckets(term: KDTerm, cont: Continuation, groups: PrefixGroups | 
         term.projection,
         cont,
         term.lookahead,
-        t1 - t0,
+        ends - t0,
         torch.stack(rest, -1),
         single=(s1 - s0 == 1) if term.past_end else None,
         groups=groups,

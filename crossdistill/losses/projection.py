@@ -45,6 +45,9 @@ class VocabProjection:
     # (`Joins` over the teacher's vocabulary on both sides); the step past a student token's end
     # moves no mass of a continuation the teacher's tokenizer would have joined to its last token
     teacher_joins: Joins | None = None
+    # `teachers.N.many_chunks: path`: the bytes each token covers, to find the teacher token that
+    # crosses the end of the student's first token in a chunk of several tokens on both sides
+    byte_lengths: ByteLengths | None = None
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
@@ -139,7 +142,20 @@ class VocabProjection:
             move(self.joins),
             move(self.matched),
             move(self.teacher_joins),
+            move(self.byte_lengths),
         )
+
+
+@dataclass
+class ByteLengths:
+    """The number of text bytes each token id covers, `teacher [V_t]` and `student [V_s]` (0 for
+    special tokens and rows a tokenizer never produces)."""
+
+    teacher: Tensor
+    student: Tensor
+
+    def to(self, device: torch.device | str) -> ByteLengths:
+        return ByteLengths(self.teacher.to(device), self.student.to(device))
 
 
 @dataclass

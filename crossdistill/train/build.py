@@ -15,6 +15,7 @@ from crossdistill.distributed.layout import DistEnv, init_distributed
 from crossdistill.distributed.runtime import Placement, TeacherSlot
 from crossdistill.errors import UserError
 from crossdistill.losses import (
+    ByteLengths,
     Joins,
     PrefixGroups,
     VocabProjection,
@@ -112,7 +113,22 @@ def build_projection_for(
 
         rows = torch.from_numpy(own_joins(tok_t)).to(device)
         out.teacher_joins = Joins.from_rows(rows, rows_t, rows_t)
+    if kind.lookahead and tcfg.many_chunks == "path":
+        out.byte_lengths = ByteLengths(
+            _byte_lengths(tok_t, rows_t).to(device), _byte_lengths(tok_s, rows_s).to(device)
+        )
     return out
+
+
+def _byte_lengths(tok, rows: int) -> torch.Tensor:
+    """`[rows]` the text bytes each id of `tok` covers, 0 past its vocabulary."""
+    from crossdistill.alignment.token_bytes import TokenBytes
+
+    lengths = torch.from_numpy(TokenBytes.from_tokenizer(tok).lengths.astype("int64"))
+    full = torch.zeros(rows, dtype=torch.long)
+    n = min(rows, lengths.shape[0])
+    full[:n] = lengths[:n]
+    return full
 
 
 def _short_share(
