@@ -304,7 +304,7 @@ def main(argv: list[str] | None = None) -> None:
                     "one column each; default all)")  # fmt: skip
     ap.add_argument("--many-chunks", action="append", choices=["first_piece", "path"],
                     help="teachers.N.many_chunks of the lookahead targets (repeatable: one "
-                    "column each; default first_piece)")  # fmt: skip
+                    "column each; default path)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, default=0, help="at most this many (0: all)")
@@ -332,8 +332,9 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(
                 f"--reach and --observed read one bucket divergence; {t} has two: leave it out"
             )
-    args.past_end = list(dict.fromkeys(args.past_end or ["all"]))
-    args.many_chunks = list(dict.fromkeys(args.many_chunks or ["first_piece"]))
+    default_end, default_many = TeacherConfig.past_end, TeacherConfig.many_chunks
+    args.past_end = list(dict.fromkeys(args.past_end or [default_end]))
+    args.many_chunks = list(dict.fromkeys(args.many_chunks or [default_many]))
     summary = json.loads((args.out / "summary.json").read_text())
     same = summary["same_tokenizer"]
     ce_runs = sorted((args.out / "students" / "ce").glob("seed*/config.json"))
@@ -361,12 +362,12 @@ def main(argv: list[str] | None = None) -> None:
         rows_s = next(iter(models.values())).get_output_embeddings().weight.shape[0]
         base = TeacherConfig(path=str(teacher_folder(info)), top_k=64)
         tcfgs = {
-            " ".join([t] + [v for v in (end, many) if v not in ("all", "first_piece")]): replace(
-                base, target=t, past_end=end, many_chunks=many
-            )
+            " ".join(
+                [t] + [v for v, d in ((end, default_end), (many, default_many)) if v != d]
+            ): replace(base, target=t, past_end=end, many_chunks=many)
             for t in args.target
-            for end in (args.past_end if target_kind(t).past_end else ["all"])
-            for many in (args.many_chunks if target_kind(t).lookahead else ["first_piece"])
+            for end in (args.past_end if target_kind(t).past_end else [default_end])
+            for many in (args.many_chunks if target_kind(t).lookahead else [default_many])
         }
         projections = {
             t: build_projection_for(c, tok_t, tok_s, rows_t, rows_s, dev, data=data)

@@ -181,12 +181,15 @@ class TeacherConfig(ModelConfig):
     # so "all" stays). With identical tokenizers "canonical" moves nothing
     past_end: PastEnd = "all"
     # the lookahead targets at a chunk of several tokens on both sides, where the student's first
-    # token ends inside a teacher token: "first_piece" gives the KD position the first piece's
-    # buckets (the teacher's first token names a student token the text does not have there);
-    # "path" gives the student's first token the teacher's mass of the text it covers: the
-    # teacher's first token's where the student's is shorter, else the mass that reaches the
-    # teacher token crossing its end along the observed path (found from byte lengths)
-    many_chunks: ManyChunks = "first_piece"
+    # token ends inside a teacher token: "path" gives the student's first token the teacher's
+    # mass of the text it covers: the teacher's first token's where the student's is shorter,
+    # else the mass that reaches the teacher token crossing its end along the observed path
+    # (found from byte lengths); "first_piece", as before 2026-12-06, gives the KD position the
+    # first piece's buckets, where the teacher's first token names a student token the text
+    # does not have there (benchmarks/README.md, "The chunks of several tokens on both sides
+    # along the path": "path" was better on every paired seed on C headers and Perl, level on
+    # the Python docs)
+    many_chunks: ManyChunks = "path"
     # `lookahead_split` draws each teacher token's counted share toward a share over all tokens
     # (`train.short_share`): "boundaries", the share over every boundary counted; "tokens", the
     # mean of the seen tokens' shares, each token once, so that a few frequent tokens that split

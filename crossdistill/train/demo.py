@@ -220,11 +220,26 @@ def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
     return final
 
 
+# teacher settings added with a default that is not what runs saved before them did: the value
+# those runs ran under, filled in where a saved teacher of a lookahead target (or `auto`, which
+# may resolve to one) lacks the key, so that they are not taken for runs at today's default
+TEACHER_SETTINGS_BEFORE = {"many_chunks": "first_piece"}
+
+
 def _saved_config(path: Path) -> dict[str, Any] | None:
-    """A run's saved config with the defaults of settings added since filled in (None: it no
-    longer loads)."""
+    """A run's saved config with the settings added since filled in: the defaults, or, for
+    those in `TEACHER_SETTINGS_BEFORE`, the values runs had before them (None: it no longer
+    loads)."""
+    from crossdistill.losses import TARGET_KINDS
+
     try:
-        return to_dict(from_dict(Config, json.loads(path.read_text())))
+        raw = json.loads(path.read_text())
+        for teacher in raw.get("teachers") or []:
+            target = teacher.get("target", "auto") if isinstance(teacher, dict) else None
+            if target == "auto" or (target in TARGET_KINDS and TARGET_KINDS[target].lookahead):
+                for key, value in TEACHER_SETTINGS_BEFORE.items():
+                    teacher.setdefault(key, value)
+        return to_dict(from_dict(Config, raw))
     except (UserError, ValueError):
         return None
 

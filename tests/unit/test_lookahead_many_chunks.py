@@ -194,7 +194,7 @@ def test_first_token_ends_on_real_tokenizers(real_tokenizer):
     assert torch.equal(ends, chunks[:, 3]) and not crossing.any()
 
 
-def test_the_projection_has_byte_lengths_under_path_only(real_tokenizer):
+def test_the_projection_has_byte_lengths_for_a_lookahead_target_under_path_only(real_tokenizer):
     from crossdistill.config import TeacherConfig
     from crossdistill.train.build import build_projection_for
 
@@ -202,9 +202,9 @@ def test_the_projection_has_byte_lengths_under_path_only(real_tokenizer):
     n_t, n_s = len(tok_t) + 3, len(tok_s) + 5  # padded embedding rows
     base = TeacherConfig(path="unused", target="lookahead_end")
     for tcfg, has in (
-        (base, False),
-        (replace(base, many_chunks="path"), True),
-        (replace(base, target="first_piece", many_chunks="path"), False),
+        (base, True),  # path is the default
+        (replace(base, many_chunks="first_piece"), False),
+        (replace(base, target="first_piece"), False),
     ):
         proj = build_projection_for(tcfg, tok_t, tok_s, n_t, n_s, torch.device("cpu"))
         assert (proj.byte_lengths is not None) == has

@@ -445,24 +445,31 @@ def test_past_end_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
 
 def test_many_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
     """`--many-chunks first_piece --many-chunks path`: each lookahead cross cell runs under each,
-    the option reaches the run's teacher and the report names it; a run saved before the option
-    existed is the default's; a target that is not a lookahead one runs once; an unknown value
-    is refused in one line."""
+    the option reaches the run's teacher and the report names it. A run saved before the option
+    existed ran under first_piece, so it is that cell's run and not the default's (path); a
+    target that is not a lookahead one runs once; an unknown value is refused in one line."""
     from crossdistill.train.demo import _saved_config
 
     spec, exp, student = _quick_cells(tmp_path, tokenizer_dir, "--many-chunks", "first_piece",
                                       "--many-chunks", "path", target="lookahead_split")  # fmt: skip
     assert spec.many_chunks == ["first_piece", "path"]
     base = "cross-llama2-forward_kl-lookahead_split"
-    assert [cell.name for cell in exp.cells] == ["ce", "same", base, f"{base}-many_path"]
+    old = f"{base}-many_first_piece"
+    assert [cell.name for cell in exp.cells] == ["ce", "same", old, base]
     runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
-    assert runs[base].teachers[0].many_chunks == "first_piece"
-    assert runs[f"{base}-many_path"].teachers[0].many_chunks == "path"
+    assert runs[old].teachers[0].many_chunks == "first_piece"
+    assert runs[base].teachers[0].many_chunks == "path"
     saved = tmp_path / "config.json"
-    raw = to_dict(runs[base])
+    raw = to_dict(runs[old])
     raw["teachers"][0].pop("many_chunks")
     saved.write_text(json.dumps(raw))
-    assert _saved_config(saved) == to_dict(runs[base])
+    assert _saved_config(saved) == to_dict(runs[old]) != to_dict(runs[base])
+    raw = to_dict(runs["same"])  # a teacher whose target may not read the path: as before
+    raw["teachers"][0]["target"] = "first_piece"
+    expected = json.loads(json.dumps(raw))
+    raw["teachers"][0].pop("many_chunks")
+    saved.write_text(json.dumps(raw))
+    assert _saved_config(saved) == expected
     cells = [c for c in exp.cells if c.teacher is not None]
     results = {"ce": {0: 2.0, 1: 2.1}, "same": {(0, 0): 1.8, (0, 1): 1.9}}
     results |= {c.name: {(0, 0): 1.85, (0, 1): 1.95} for c in cells[1:]}
@@ -470,8 +477,8 @@ def test_many_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
     assert [e["many_chunks"] for e in report["cross"]] == ["first_piece", "path"]
     buffer = io.StringIO()
     print_table(report, file=buffer)
-    assert "many_chunks path" in buffer.getvalue()
-    _, first, _ = _quick_cells(tmp_path / "first", tokenizer_dir, "--many-chunks", "path")
+    assert "many_chunks first_piece" in buffer.getvalue()
+    _, first, _ = _quick_cells(tmp_path / "first", tokenizer_dir, "--many-chunks", "first_piece")
     assert [c.name for c in first.cells] == ["ce", "same", "cross-llama2-forward_kl-first_piece"]
     with pytest.raises(
         UserError, match="unknown --many-chunks 'all'; use one of first_piece, path"
