@@ -254,6 +254,9 @@ class TrainConfig:
     # of a cross teacher's chunk, a chunk that kd_chunks leaves out, the end of a window):
     # "ratio" = 1 − kd_ratio, as on every other token; "full" = 1, the KD share that no teacher
     # uses there goes to CE. A same-tokenizer teacher covers every token: no change there.
+    # On the far pair "full" was better on 5 of 5 paired seeds on C headers and on the mean on
+    # the manual pages (benchmarks/README.md, "The chunks of several tokens on both sides along
+    # the path"); not yet measured where such tokens are rarer, so "ratio" stays
     ce_without_kd: CEWithoutKD = "ratio"
     teacher_mode: Literal["weighted", "dynamic", "best"] = "weighted"
     eval_every: int = 200
