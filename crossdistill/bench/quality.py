@@ -490,7 +490,16 @@ class Experiment:
             accum=s.teacher_accum,
         )  # fmt: skip
         fingerprint = tokenizer_fingerprint(load_text_tokenizer(path))
-        run_dir = self.out / "teachers" / f"{label}-{config_hash(probe, fingerprint)}"
+        # progress bars show, they do not train (`--jobs 1` turns them on, more jobs off): a
+        # teacher trained under either setting is this teacher (`demo._same_run`)
+        folders = [
+            self.out / "teachers" / f"{label}-{config_hash(config, fingerprint)}"
+            for config in (
+                probe,
+                replace(probe, run=replace(probe.run, progress=not probe.run.progress)),
+            )
+        ]
+        run_dir = next((f for f in folders if (f / "config.json").is_file()), folders[0])
         cfg = replace(probe, run=replace(probe.run, out_dir=str(run_dir)))
         self.teacher_paths[(label, seed)] = run_dir / "final"
         kind = "the student's tokenizer" if label == self.same_label else "cross"

@@ -210,7 +210,7 @@ def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
     run_dir = Path(cfg.run.out_dir)
     summary = run_dir / "final_metrics.json"
     saved = run_dir / "config.json"
-    same = saved.is_file() and _saved_config(saved) == to_dict(cfg)
+    same = saved.is_file() and _same_run(_saved_config(saved), to_dict(cfg))
     if reuse and same and summary.is_file() and (run_dir / "final" / "config.json").is_file():
         return json.loads(summary.read_text())
     if run_dir.exists():
@@ -224,6 +224,23 @@ def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
 # those runs ran under, filled in where a saved teacher of a lookahead target (or `auto`, which
 # may resolve to one) lacks the key, so that they are not taken for runs at today's default
 TEACHER_SETTINGS_BEFORE = {"many_chunks": "first_piece"}
+
+
+# run settings that change what a run shows, not what it trains
+DISPLAY_SETTINGS = ("progress",)
+
+
+def _same_run(saved: dict[str, Any] | None, cfg: dict[str, Any]) -> bool:
+    """Whether a saved config (`_saved_config`) trains what `cfg` trains: equal but for
+    `DISPLAY_SETTINGS` (a run trained with progress bars is the same run without them)."""
+    if saved is None:
+        return False
+
+    def trained(raw: dict[str, Any]) -> dict[str, Any]:
+        run = {k: v for k, v in raw.get("run", {}).items() if k not in DISPLAY_SETTINGS}
+        return {**raw, "run": run}
+
+    return trained(saved) == trained(cfg)
 
 
 def _saved_config(path: Path) -> dict[str, Any] | None:

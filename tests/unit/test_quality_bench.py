@@ -486,6 +486,35 @@ def test_many_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
         replace(spec, many_chunks=["all"]).check()
 
 
+def test_a_teacher_trained_under_any_jobs_is_found_under_every_jobs(tmp_path, tokenizer_dir):
+    """`--jobs 1` shows progress bars and more jobs do not; a teacher trained under one is the
+    same teacher under the other: its folder is found, and its saved config is the same run. A
+    setting that trains differently is still another run."""
+    from crossdistill.bench.quality import Experiment
+    from crossdistill.train.demo import _same_run
+
+    def teachers(jobs: int) -> list:
+        spec = replace(parsed_spec(tmp_path, "--jobs", str(jobs)), student_tokenizer=str(
+            tokenizer_dir("gpt2")), teacher_tokenizers=[str(tokenizer_dir("llama2"))],
+            scale_name="quick", scale=SCALES["quick"])  # fmt: skip
+        return Experiment(spec, log=lambda _: None).teacher_jobs()
+
+    fresh = [job.cfg.run.out_dir for job in teachers(1)]
+    trained = teachers(2)  # as if trained: their configs saved where a run saves them
+    for job in trained:
+        Path(job.cfg.run.out_dir).mkdir(parents=True)
+        (Path(job.cfg.run.out_dir) / "config.json").write_text(json.dumps(to_dict(job.cfg)))
+    found = teachers(1)
+    assert [job.cfg.run.out_dir for job in found] == [job.cfg.run.out_dir for job in trained]
+    assert fresh != [job.cfg.run.out_dir for job in trained]  # each setting hashes apart
+    one, two = to_dict(found[0].cfg), to_dict(trained[0].cfg)
+    assert one["run"]["progress"] and not two["run"]["progress"]
+    assert _same_run(one, two) and not _same_run(None, two)
+    longer = json.loads(json.dumps(one))
+    longer["train"]["steps"] += 1
+    assert not _same_run(longer, two)
+
+
 def test_student_text_smaller_than_one_piece_is_refused(tmp_path, tokenizer_dir, capsys):
     argv = [
         "bench", "quality", "--student-tokenizer", str(tokenizer_dir("gpt2")),
