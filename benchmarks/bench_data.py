@@ -83,7 +83,7 @@ def _load(name: str):
     root = Path(
         os.environ.get(
             "CROSSDISTILL_TOKENIZERS",
-            Path(__file__).resolve().parents[2].parent / "shared" / "tokenizers",
+            Path(__file__).resolve().parents[2] / "shared" / "tokenizers",
         )
     )
     return load_tokenizer(str(root / name / "hf"))
