@@ -186,9 +186,8 @@ class TeacherConfig(ModelConfig):
     # else the mass that reaches the teacher token crossing its end along the observed path
     # (found from byte lengths); "first_piece", as before 2026-12-06, gives the KD position the
     # first piece's buckets, where the teacher's first token names a student token the text
-    # does not have there (benchmarks/README.md, "The chunks of several tokens on both sides
-    # along the path": "path" was better on every paired seed on C headers and Perl, level on
-    # the Python docs)
+    # does not have there (the comparison: benchmarks/README.md, "The chunks of several tokens
+    # on both sides along the path")
     many_chunks: ManyChunks = "path"
     # `lookahead_split` draws each teacher token's counted share toward a share over all tokens
     # (`train.short_share`): "boundaries", the share over every boundary counted; "tokens", the
@@ -254,9 +253,8 @@ class TrainConfig:
     # of a cross teacher's chunk, a chunk that kd_chunks leaves out, the end of a window):
     # "ratio" = 1 − kd_ratio, as on every other token; "full" = 1, the KD share that no teacher
     # uses there goes to CE. A same-tokenizer teacher covers every token: no change there.
-    # On the far pair "full" was better on 5 of 5 paired seeds on C headers and on the mean on
-    # the manual pages (benchmarks/README.md, "The chunks of several tokens on both sides along
-    # the path"); not yet measured where such tokens are rarer, so "ratio" stays
+    # "ratio" stays the default until "full" is measured on text where such tokens are rare
+    # (benchmarks/README.md, "The chunks of several tokens on both sides along the path")
     ce_without_kd: CEWithoutKD = "ratio"
     teacher_mode: Literal["weighted", "dynamic", "best"] = "weighted"
     eval_every: int = 200

@@ -310,16 +310,14 @@ def continuation(
 ) -> Continuation | None:
     """The context-aware target's view of each chunk (None without `term.first_t` or
     `term.lookahead`); `first_token`: where each chunk ends for its first student token and
-    the chunks of several tokens on both sides read so (`first_token_ends`; default the chunks'
-    ends, none). Those chunks are active as chunks of one student token: their rest is the
+    the chunks of several tokens on both sides read so (`first_token_ends`, computed when not
+    given). Those chunks are active as chunks of one student token: their rest is the
     teacher's tokens up to that end."""
     first_t = term.first_t if term.lookahead is None else term.lookahead[:, 0]
     if first_t is None:
         return None
     s0, s1, t0, t1 = term.chunks.unbind(-1)
-    ends, crossing = (
-        (t1, torch.zeros_like(t1, dtype=torch.bool)) if first_token is None else first_token
-    )
+    ends, crossing = first_token_ends(term, labels_s) if first_token is None else first_token
     tg = term.targets
     rest_bad = _span_sums((~tg.next_valid).double(), t0, ends - 1)
     return Continuation(
