@@ -305,6 +305,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--many-chunks", action="append", choices=["first_piece", "path"],
                     help="teachers.N.many_chunks of the lookahead targets (repeatable: one "
                     "column each; default path)")  # fmt: skip
+    ap.add_argument("--deep-alternatives", action="append", choices=["join", "longest"],
+                    help="teachers.N.deep_alternatives of the lookahead targets (repeatable: one "
+                    "column each; default join)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, default=0, help="at most this many (0: all)")
@@ -333,8 +336,10 @@ def main(argv: list[str] | None = None) -> None:
                 f"--reach and --observed read one bucket divergence; {t} has two: leave it out"
             )
     default_end, default_many = TeacherConfig.past_end, TeacherConfig.many_chunks
+    default_deep = TeacherConfig.deep_alternatives
     args.past_end = list(dict.fromkeys(args.past_end or [default_end]))
     args.many_chunks = list(dict.fromkeys(args.many_chunks or [default_many]))
+    args.deep_alternatives = list(dict.fromkeys(args.deep_alternatives or [default_deep]))
     summary = json.loads((args.out / "summary.json").read_text())
     same = summary["same_tokenizer"]
     ce_runs = sorted((args.out / "students" / "ce").glob("seed*/config.json"))
@@ -363,11 +368,17 @@ def main(argv: list[str] | None = None) -> None:
         base = TeacherConfig(path=str(teacher_folder(info)), top_k=64)
         tcfgs = {
             " ".join(
-                [t] + [v for v, d in ((end, default_end), (many, default_many)) if v != d]
-            ): replace(base, target=t, past_end=end, many_chunks=many)
+                [t]
+                + [
+                    v
+                    for v, d in ((end, default_end), (many, default_many), (deep, default_deep))
+                    if v != d
+                ]
+            ): replace(base, target=t, past_end=end, many_chunks=many, deep_alternatives=deep)
             for t in args.target
             for end in (args.past_end if target_kind(t).past_end else [default_end])
             for many in (args.many_chunks if target_kind(t).lookahead else [default_many])
+            for deep in (args.deep_alternatives if target_kind(t).lookahead else [default_deep])
         }
         projections = {
             t: build_projection_for(c, tok_t, tok_s, rows_t, rows_s, dev, data=data)

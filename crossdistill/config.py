@@ -62,6 +62,9 @@ KDChunks = Literal["all", "single_side"]
 PastEnd = Literal["all", "canonical"]
 # the lookahead targets at a chunk of several tokens on both sides (`TeacherConfig.many_chunks`)
 ManyChunks = Literal["first_piece", "path"]
+# where the lookahead targets send an alternative past the first teacher token
+# (`TeacherConfig.deep_alternatives`)
+DeepAlternatives = Literal["join", "longest"]
 # the share unseen teacher tokens are drawn toward by `lookahead_split` (`TeacherConfig.split_prior`)
 SplitPrior = Literal["boundaries", "tokens"]
 # the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
@@ -189,6 +192,12 @@ class TeacherConfig(ModelConfig):
     # does not have there (the comparison: benchmarks/README.md, "The chunks of several tokens
     # on both sides along the path")
     many_chunks: ManyChunks = "path"
+    # the lookahead targets at a teacher position d ≥ 1 inside a student token, whose prefix so
+    # far the student spells as token a: the teacher's alternative x ≠ the text's token goes to
+    # the student token spelling a then x ("join"), else to a itself, though the student would
+    # write a longer token where a then the start of x is one; "longest" gives it to the
+    # longest student token spelling a then a prefix of x (a where there is none)
+    deep_alternatives: DeepAlternatives = "join"
     # `lookahead_split` draws each teacher token's counted share toward a share over all tokens
     # (`train.short_share`): "boundaries", the share over every boundary counted; "tokens", the
     # mean of the seen tokens' shares, each token once, so that a few frequent tokens that split

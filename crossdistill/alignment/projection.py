@@ -387,6 +387,44 @@ def joins_of(bytes_t: TokenBytes, bytes_s: TokenBytes) -> np.ndarray:
     return out[np.lexsort((out[:, 1], out[:, 0]))]
 
 
+def build_extensions(tok_t, tok_s) -> tuple[np.ndarray, np.ndarray]:
+    """The lookahead target's table for `deep_alternatives: longest` (`extensions_of`)."""
+    return extensions_of(TokenBytes.from_tokenizer(tok_t), TokenBytes.from_tokenizer(tok_s))
+
+
+def extensions_of(bytes_t: TokenBytes, bytes_s: TokenBytes) -> tuple[np.ndarray, np.ndarray]:
+    """Student tokens as a student token a followed by the start of a teacher token x: the
+    longest student token whose bytes are a's then a prefix of x's is what the student writes
+    first where the text is a then x. Returns `(rows [E, 3], prefixes [V_t, L])`: rows
+    `(a, r, v)`, student token v's bytes are student token a's followed by the rest r (an id of
+    the byte strings that end a student token after a student prefix and start a teacher
+    token), sorted by `(a, r)`; `prefixes[x, l]` the id of x's first l + 1 bytes as such a rest
+    (−1: none, or past x's end), `L` the longest rest. Where student tokens share bytes, the one
+    `_student_lookup` picks."""
+    lookup_s = _student_lookup(bytes_s)
+    starts: set[bytes] = set()
+    for t, data in enumerate(bytes_t.pieces()):
+        if data and not bytes_t.special[t]:
+            starts.update(data[:n] for n in range(1, len(data) + 1))
+    rest_id: dict[bytes, int] = {}
+    rows = []
+    for data, v in lookup_s.items():
+        for cut in range(1, len(data)):
+            a, rest = lookup_s.get(data[:cut]), data[cut:]
+            if a is not None and rest in starts:
+                rows.append((a, rest_id.setdefault(rest, len(rest_id)), v))
+    width = max((len(r) for r in rest_id), default=1)
+    prefixes = np.full((bytes_t.vocab_size, width), -1, dtype=np.int64)
+    for t, data in enumerate(bytes_t.pieces()):
+        if data and not bytes_t.special[t]:
+            for n in range(1, min(len(data), width) + 1):
+                prefixes[t, n - 1] = rest_id.get(data[:n], -1)
+    if not rows:
+        return np.zeros((0, 3), dtype=np.int64), prefixes
+    out = np.asarray(rows, dtype=np.int64)
+    return out[np.lexsort((out[:, 1], out[:, 0]))], prefixes
+
+
 def own_joins(tok) -> np.ndarray:
     """`[J, 3]` int64 rows `(a, x, v)`: token v's bytes are token a's followed by token x's, all
     three tokens of `tok` (every id of each byte string, special tokens left out), sorted by

@@ -357,17 +357,18 @@ class Experiment:
                 reads = target == "auto" or any(
                     target_kind(part).past_end for part in target_parts(target)
                 )
-                # many_chunks changes only a lookahead target (or `auto`)
+                # many_chunks and deep_alternatives change only a lookahead target (or `auto`)
                 ahead = target == "auto" or any(
                     target_kind(part).lookahead for part in target_parts(target)
                 )
-                for ratio, chunks, ce, warmup, end, many in itertools.product(
+                for ratio, chunks, ce, warmup, end, many, deep in itertools.product(
                     spec.kd_ratios,
                     spec.kd_chunks,
                     spec.ce_without_kd,
                     spec.kd_warmup_steps,
                     spec.past_end if reads else [TeacherConfig.past_end],
                     spec.many_chunks if ahead else [TeacherConfig.many_chunks],
+                    spec.deep_alternatives if ahead else [TeacherConfig.deep_alternatives],
                 ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
@@ -376,6 +377,8 @@ class Experiment:
                         name += f"-past_end_{end}"
                     if many != TeacherConfig.many_chunks:
                         name += f"-many_{many}"
+                    if deep != TeacherConfig.deep_alternatives:
+                        name += f"-deep_{deep}"
                     if ce != TrainConfig.ce_without_kd:
                         name += f"-ce_{ce}"
                     if warmup != TrainConfig.kd_warmup_steps:
@@ -394,6 +397,7 @@ class Experiment:
                             kd_ratio=ratio,
                             past_end=end,
                             many_chunks=many,
+                            deep_alternatives=deep,
                         )
                     )
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
@@ -604,6 +608,7 @@ class Experiment:
                         "kd_chunks": cell.kd_chunks,
                         "past_end": cell.past_end,
                         "many_chunks": cell.many_chunks,
+                        "deep_alternatives": cell.deep_alternatives,
                     }
                 )
                 if len(terms) > 1:  # one KD term per target, the weight shared equally
@@ -670,6 +675,7 @@ class Experiment:
             "kd_chunks": self.spec.kd_chunks,
             "past_end": self.spec.past_end,
             "many_chunks": self.spec.many_chunks,
+            "deep_alternatives": self.spec.deep_alternatives,
             "ce_without_kd": self.spec.ce_without_kd,
             "kd_warmup_steps": self.spec.kd_warmup_steps,
             "kd_ratios": self.spec.kd_ratios,

@@ -20,6 +20,7 @@ from crossdistill.config import (
     LOSSES,
     TARGETS,
     CEWithoutKD,
+    DeepAlternatives,
     KDChunks,
     ManyChunks,
     PastEnd,
@@ -97,6 +98,12 @@ def add_parser(subparsers) -> None:
         ("--kd-chunks", KDChunks, "teachers.N.kd_chunks", TeacherConfig.kd_chunks),
         ("--past-end", PastEnd, "teachers.N.past_end", TeacherConfig.past_end),
         ("--many-chunks", ManyChunks, "teachers.N.many_chunks", TeacherConfig.many_chunks),
+        (
+            "--deep-alternatives",
+            DeepAlternatives,
+            "teachers.N.deep_alternatives",
+            TeacherConfig.deep_alternatives,
+        ),
         ("--ce-without-kd", CEWithoutKD, "train.ce_without_kd", TrainConfig.ce_without_kd),
     ):
         p.add_argument(
@@ -261,6 +268,9 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         kd_chunks=list(dict.fromkeys(args.kd_chunks or [TeacherConfig.kd_chunks])),
         past_end=list(dict.fromkeys(args.past_end or [TeacherConfig.past_end])),
         many_chunks=list(dict.fromkeys(args.many_chunks or [TeacherConfig.many_chunks])),
+        deep_alternatives=list(
+            dict.fromkeys(args.deep_alternatives or [TeacherConfig.deep_alternatives])
+        ),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
         kd_ratios=list(dict.fromkeys(args.kd_ratio or [TrainConfig.kd_ratio])),

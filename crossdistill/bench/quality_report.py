@@ -30,6 +30,7 @@ class Cell:
     kd_ratio: float = TrainConfig.kd_ratio
     past_end: str = TeacherConfig.past_end
     many_chunks: str = TeacherConfig.many_chunks
+    deep_alternatives: str = TeacherConfig.deep_alternatives
 
 
 def summarize(
@@ -154,6 +155,7 @@ def summarize(
             "kd_chunks": cell.kd_chunks,
             "past_end": cell.past_end,
             "many_chunks": cell.many_chunks,
+            "deep_alternatives": cell.deep_alternatives,
             "ce_without_kd": cell.ce_without_kd,
             "kd_warmup_steps": cell.kd_warmup_steps,
             "kd_ratio": cell.kd_ratio,
@@ -381,6 +383,9 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" past_end {entry['past_end']}"
         if entry.get("many_chunks", TeacherConfig.many_chunks) != TeacherConfig.many_chunks:
             label += f" many_chunks {entry['many_chunks']}"
+        deep = entry.get("deep_alternatives", TeacherConfig.deep_alternatives)
+        if deep != TeacherConfig.deep_alternatives:
+            label += f" deep_alternatives {deep}"
         if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
             label += f" ce_without_kd {entry['ce_without_kd']}"
         if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):

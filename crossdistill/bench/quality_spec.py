@@ -16,6 +16,7 @@ from crossdistill.config import (
     LOSSES,
     TARGETS,
     CEWithoutKD,
+    DeepAlternatives,
     KDChunks,
     ManyChunks,
     PastEnd,
@@ -245,6 +246,8 @@ class QualitySpec:
     past_end: list[str] = field(default_factory=lambda: [TeacherConfig.past_end])
     # the cross cells' `many_chunks` (the lookahead targets): each cross cell runs under each
     many_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.many_chunks])
+    # the cross cells' `deep_alternatives` (the lookahead targets): each cross cell runs under each
+    deep_alternatives: list[str] = field(default_factory=lambda: [TeacherConfig.deep_alternatives])
     # the cross cells' `train.ce_without_kd`: each cross cell runs under each
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
@@ -290,6 +293,7 @@ class QualitySpec:
             ("--kd-chunks", self.kd_chunks, KDChunks),
             ("--past-end", self.past_end, PastEnd),
             ("--many-chunks", self.many_chunks, ManyChunks),
+            ("--deep-alternatives", self.deep_alternatives, DeepAlternatives),
             ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),
         ):
             choices = get_args(kind)

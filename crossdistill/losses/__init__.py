@@ -37,6 +37,7 @@ from crossdistill.losses.plan import LOSSES, KDTerm, ce_count, flatten_chunks, k
 from crossdistill.losses.projection import (
     Buckets,
     ByteLengths,
+    Extensions,
     Joins,
     PrefixGroups,
     VocabProjection,
@@ -65,6 +66,7 @@ __all__ = [
     "LOSSES",
     "Buckets",
     "ByteLengths",
+    "Extensions",
     "Joins",
     "PrefixGroups",
     "KDTerm",

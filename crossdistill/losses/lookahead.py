@@ -53,6 +53,14 @@ and leave s in the tail. No step past the end follows: the teacher's next positi
 `t_j`, inside the student's next token. `plan.first_token_ends` finds j from the tokens' byte
 lengths.
 
+Under `teachers.N.deep_alternatives: longest` an alternative x ≠ `t_d` at depth d ≥ 1 whose
+bytes after `a_d`'s make no student token goes to the longest student token spelling `a_d` then
+the start of x (`Extensions`), where there is one, instead of to `a_d`: where the text is `a_d`
+then x the student writes such a token first, as longest-match tokenisation would. After ` set`
+(a token of both Llama-3 and Mistral), Mistral's `Types` makes no Llama-3 token ` setTypes`;
+`join` gives its mass to ` set`, `longest` to ` setType`. Where `a_d` then the whole of x is a
+student token, both give it that token.
+
 `lookahead_prefix` keeps the lookahead target along the observed path and changes where the
 KD position's other entries go. The first piece gives an alternative x ≠ `t_0` whole to the
 student token spelling x, though `p(x)` also covers the student's longer tokens that start with
@@ -210,6 +218,7 @@ def project_lookahead(
     ending = torch.where(expand & (length == 1), mass, NEG_INF)  # at the token's end
     live = expand & (length > 1)
     mass = torch.where(live, mass, NEG_INF)
+    deeper = projection.joins if projection.extensions is None else projection.extensions
     for d in range(1, depth):
         if past_end:
             last = obs[:, d - 1]  # the chunk's last teacher token, where `ending` holds mass
@@ -218,7 +227,7 @@ def project_lookahead(
             )
         a_d, a_next = chain[:, d], chain[:, d + 1]
         is_obs = (ids[:, d] == obs[:, d : d + 1]) & (obs[:, d : d + 1] >= 0)
-        joined = projection.joins.lookup(a_d.unsqueeze(-1), ids[:, d])
+        joined = deeper.lookup(a_d.unsqueeze(-1), ids[:, d])
         alt = torch.where(live.unsqueeze(-1) & ~is_obs, mass.unsqueeze(-1) + lp[:, d], NEG_INF)
         entries.append(
             torch.where(alt > NEG_INF, torch.where(joined >= 0, joined, a_d[:, None]), -1)

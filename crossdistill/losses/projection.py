@@ -48,6 +48,9 @@ class VocabProjection:
     # `teachers.N.many_chunks: path`: the bytes each token covers, to find the teacher token that
     # crosses the end of the student's first token in a chunk of several tokens on both sides
     byte_lengths: ByteLengths | None = None
+    # `teachers.N.deep_alternatives: longest`: where the lookahead target's alternatives past the
+    # first teacher token go, the student's longest token over the path so far and their start
+    extensions: Extensions | None = None
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
@@ -143,6 +146,7 @@ class VocabProjection:
             move(self.matched),
             move(self.teacher_joins),
             move(self.byte_lengths),
+            move(self.extensions),
         )
 
 
@@ -189,6 +193,61 @@ class Joins:
 
     def to(self, device: torch.device | str) -> Joins:
         return Joins(self.keys.to(device), self.values.to(device), self.num_teacher)
+
+
+@dataclass
+class Extensions:
+    """The student token the student writes first where the text is a known student token a
+    followed by a teacher token x, for `teachers.N.deep_alternatives: longest`: the longest one
+    whose bytes are a's then a prefix of x's (x's whole bytes where the student has that token,
+    as `Joins`). `keys [E]` sorted `a·num_rests + r` and `values [E]` the student token a then
+    rest r spell; `prefixes [V_t, L]` the rest id of each teacher token's first l + 1 bytes
+    (−1: none) (`alignment.projection.build_extensions`)."""
+
+    keys: Tensor
+    values: Tensor
+    prefixes: Tensor
+    num_rests: int
+
+    @classmethod
+    def from_rows(
+        cls, rows: Tensor, prefixes: Tensor, num_teacher: int, num_student: int
+    ) -> Extensions:
+        """From `(a, r, v)` rows `[E, 3]` and the teacher tokens' rest ids `[V_t', L]`, padded or
+        cut to the model's `num_teacher` rows; rows naming student ids the model does not have
+        are dropped."""
+        a, r, v = rows.long().unbind(-1)
+        keep = (a < num_student) & (v < num_student)
+        num_rests = int(r.max()) + 1 if r.numel() else 1
+        keys, order = (a[keep] * num_rests + r[keep]).sort(stable=True)
+        table = torch.full(
+            (num_teacher, prefixes.shape[1]), -1, dtype=torch.long, device=prefixes.device
+        )
+        n = min(num_teacher, prefixes.shape[0])
+        table[:n] = prefixes[:n].long()
+        return cls(keys, v[keep][order], table, num_rests)
+
+    def lookup(self, a: Tensor, x: Tensor) -> Tensor:
+        """The longest student token spelling `a` then a prefix of `x` (broadcast), −1 where
+        there is none."""
+        shape = torch.broadcast_shapes(a.shape, x.shape)
+        if self.keys.numel() == 0:
+            return torch.full(shape, -1, dtype=torch.long, device=a.device)
+        a, x = a.long().expand(shape), x.long().expand(shape)
+        rest = self.prefixes[x.clamp(min=0)]  # [..., L]
+        key = a.unsqueeze(-1) * self.num_rests + rest
+        at = torch.searchsorted(self.keys, key).clamp(max=self.keys.numel() - 1)
+        found = (self.keys[at] == key) & (rest >= 0) & (a >= 0).unsqueeze(-1)
+        found = found & (x >= 0).unsqueeze(-1)
+        width = torch.arange(1, rest.shape[-1] + 1, device=a.device)
+        longest = torch.where(found, width, 0).max(-1)  # the last prefix that is a token
+        value = self.values[at.gather(-1, (longest.indices).unsqueeze(-1)).squeeze(-1)]
+        return torch.where(longest.values > 0, value, -1)
+
+    def to(self, device: torch.device | str) -> Extensions:
+        return Extensions(
+            self.keys.to(device), self.values.to(device), self.prefixes.to(device), self.num_rests
+        )
 
 
 @dataclass

@@ -16,6 +16,7 @@ from crossdistill.distributed.runtime import Placement, TeacherSlot
 from crossdistill.errors import UserError
 from crossdistill.losses import (
     ByteLengths,
+    Extensions,
     Joins,
     PrefixGroups,
     VocabProjection,
@@ -113,6 +114,13 @@ def build_projection_for(
 
         rows = torch.from_numpy(own_joins(tok_t)).to(device)
         out.teacher_joins = Joins.from_rows(rows, rows_t, rows_t)
+    if kind.lookahead and tcfg.deep_alternatives == "longest":
+        from crossdistill.alignment.projection import build_extensions
+
+        rows, prefixes = build_extensions(tok_t, tok_s)
+        out.extensions = Extensions.from_rows(
+            torch.from_numpy(rows).to(device), torch.from_numpy(prefixes).to(device), rows_t, rows_s
+        )
     if kind.lookahead and tcfg.many_chunks == "path":
         out.byte_lengths = ByteLengths(
             _byte_lengths(tok_t, rows_t).to(device), _byte_lengths(tok_s, rows_s).to(device)

@@ -94,6 +94,7 @@ def reference(
     past_end: bool = False,
     skip: frozenset[int] = frozenset(),
     canonical: bool = False,
+    longest: bool = False,
 ):
     """The target of one chunk, walked plainly: `logp[d]` the teacher's full log-probs at depth
     d (τ = 1), its top-k the k largest; `obs` the chunk's teacher tokens; `label` the student's
@@ -101,7 +102,8 @@ def reference(
     one, is the teacher's position after the chunk); `skip`: teacher ids other than `obs[0]`
     whose depth-0 mass is left out (the caller places it); `canonical`: past the end, a
     continuation whose bytes with the chunk's last teacher token's are a teacher token does not
-    move (`past_end: canonical`)."""
+    move (`past_end: canonical`); `longest`: an alternative past depth 0 goes to the longest
+    student token spelling the prefix then the start of it (`deep_alternatives: longest`)."""
     out: dict = defaultdict(float)
     top = [sorted(range(len(row)), key=lambda x: -row[x])[:k] for row in logp]
     p = [[math.exp(v) for v in row] for row in logp]
@@ -146,7 +148,12 @@ def reference(
         a = toy.s_id[prefix]
         for x in top[d]:
             if x != obs[d]:
-                out[toy.s_id.get(prefix + toy.teacher[x], a)] += mass * p[d][x]
+                word = toy.teacher[x]
+                cuts = range(len(word), 0, -1) if longest else [len(word)]
+                to = next(
+                    (toy.s_id[w] for w in (prefix + word[:n] for n in cuts) if w in toy.s_id), a
+                )
+                out[to] += mass * p[d][x]
         out[TAIL] += mass * (1 - sum(p[d][x] for x in top[d]))
         if obs[d] not in top[d]:
             return

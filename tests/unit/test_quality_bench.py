@@ -415,38 +415,48 @@ def test_kd_chunks_and_ce_without_kd_cells_reach_the_student_runs(tmp_path, toke
         replace(spec, ce_without_kd=["half"]).check()
 
 
-def test_past_end_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
-    """`--past-end all --past-end canonical`: each cross cell runs under each, the option
-    reaches the run's teacher, the report names it; a run saved before the option existed is the
-    default's; a target that does not read past the end runs once; an unknown value is refused
-    in one line."""
+@pytest.mark.parametrize(
+    "flag, setting, values, suffix",
+    [
+        ("--past-end", "past_end", ["all", "canonical"], "past_end_canonical"),
+        ("--deep-alternatives", "deep_alternatives", ["join", "longest"], "deep_longest"),
+    ],
+)
+def test_teacher_setting_cells_reach_the_student_runs(
+    tmp_path, tokenizer_dir, flag, setting, values, suffix
+):
+    """`--past-end all --past-end canonical`, `--deep-alternatives join --deep-alternatives
+    longest`: each cross cell of a target the setting changes runs under each value, the value
+    reaches the run's teacher, the report names it; a run saved before the setting existed is
+    the default's (the first value); a target it does not change runs once; an unknown value is
+    refused in one line."""
     from crossdistill.train.demo import _saved_config
 
-    spec, exp, student = _quick_cells(tmp_path, tokenizer_dir, "--past-end", "all", "--past-end",
-                                      "canonical", target="lookahead_split")  # fmt: skip
-    assert spec.past_end == ["all", "canonical"]
+    default, other = values
+    spec, exp, student = _quick_cells(tmp_path, tokenizer_dir, flag, default, flag, other,
+                                      target="lookahead_split")  # fmt: skip
+    assert getattr(spec, setting) == values
     base = "cross-llama2-forward_kl-lookahead_split"
     names = [cell.name for cell in exp.cells]
-    assert names == ["ce", "same", base, f"{base}-past_end_canonical"]
+    assert names == ["ce", "same", base, f"{base}-{suffix}"]
     runs = {cell.name: exp.student_job(cell, student, seed=0).cfg for cell in exp.cells}
-    assert runs[base].teachers[0].past_end == "all"
-    assert runs[f"{base}-past_end_canonical"].teachers[0].past_end == "canonical"
-    assert runs["same"].teachers[0].past_end == "all"
+    assert getattr(runs[base].teachers[0], setting) == default
+    assert getattr(runs[f"{base}-{suffix}"].teachers[0], setting) == other
+    assert getattr(runs["same"].teachers[0], setting) == default
     saved = tmp_path / "config.json"
     raw = to_dict(runs[base])
-    raw["teachers"][0].pop("past_end")
+    raw["teachers"][0].pop(setting)
     saved.write_text(json.dumps(raw))
     assert _saved_config(saved) == to_dict(runs[base])
     report = _report_of_two_cells(exp, spec)
-    assert [e["past_end"] for e in report["cross"]] == ["all", "canonical"]
+    assert [e[setting] for e in report["cross"]] == values
     buffer = io.StringIO()
     print_table(report, file=buffer)
-    assert "past_end canonical" in buffer.getvalue()
-    _, first, _ = _quick_cells(tmp_path / "first", tokenizer_dir, "--past-end", "all",
-                               "--past-end", "canonical")  # fmt: skip
+    assert f"{setting} {other}" in buffer.getvalue()
+    _, first, _ = _quick_cells(tmp_path / "first", tokenizer_dir, flag, default, flag, other)
     assert [c.name for c in first.cells] == ["ce", "same", "cross-llama2-forward_kl-first_piece"]
-    with pytest.raises(UserError, match="unknown --past-end 'some'; use one of all, canonical"):
-        replace(spec, past_end=["some"]).check()
+    with pytest.raises(UserError, match=f"unknown {flag} 'some'; use one of {', '.join(values)}"):
+        replace(spec, **{setting: ["some"]}).check()
 
 
 def test_many_chunks_cells_reach_the_student_runs(tmp_path, tokenizer_dir):
