@@ -56,10 +56,13 @@ lengths.
 Under `teachers.N.deep_alternatives: longest` an alternative x ≠ `t_d` at depth d ≥ 1 whose
 bytes after `a_d`'s make no student token goes to the longest student token spelling `a_d` then
 the start of x (`Extensions`), where there is one, instead of to `a_d`: where the text is `a_d`
-then x the student writes such a token first, as longest-match tokenisation would. After ` set`
-(a token of both Llama-3 and Mistral), Mistral's `Types` makes no Llama-3 token ` setTypes`;
-`join` gives its mass to ` set`, `longest` to ` setType`. Where `a_d` then the whole of x is a
-student token, both give it that token.
+then x, longest-match tokenisation would write such a token first. After ` set` (a token of
+both Llama-3 and Mistral), Mistral's `Types` makes no Llama-3 token ` setTypes`; `join` gives
+its mass to ` set`, `longest` to ` setType`. Where `a_d` then the whole of x is a student token,
+both give it that token. Llama-3's own BPE writes ` set` + `Types`, and on C headers `longest`
+moved the target away from a same-tokenizer teacher (`benchmarks/README.md`, "A lookahead
+alternative past the first teacher token to the student's longest token"), so `join` is the
+default and `longest` an option to rerun that comparison.
 
 `lookahead_prefix` keeps the lookahead target along the observed path and changes where the
 KD position's other entries go. The first piece gives an alternative x ≠ `t_0` whole to the
