@@ -194,12 +194,12 @@ class TeacherConfig(ModelConfig):
     many_chunks: ManyChunks = "path"
     # the lookahead targets at a teacher position d ≥ 1 inside a student token, whose prefix so
     # far the student spells as token a: the teacher's alternative x ≠ the text's token goes to
-    # the student token spelling a then x ("join"), else to a itself, though the student would
-    # write a longer token where a then the start of x is one; "longest" gives it to the
-    # longest student token spelling a then a prefix of x (a where there is none). The student's
-    # BPE does not split by longest match, and "longest" moved the target away from a
-    # same-tokenizer teacher (benchmarks/README.md, "A lookahead alternative past the first
-    # teacher token to the student's longest token"), so "join" stays
+    # the student token spelling a then x ("join"), else to a itself; "longest" gives it to the
+    # longest student token spelling a then a prefix of x (a where there is none), the token
+    # longest-match tokenisation would write first there. The student's BPE does not split by
+    # longest match, and "longest" moved the target away from a same-tokenizer teacher
+    # (benchmarks/README.md, "A lookahead alternative past the first teacher token to the
+    # student's longest token"), so "join" stays
     deep_alternatives: DeepAlternatives = "join"
     # `lookahead_split` draws each teacher token's counted share toward a share over all tokens
     # (`train.short_share`): "boundaries", the share over every boundary counted; "tokens", the
