@@ -5,7 +5,7 @@ of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
         [--past-end all --past-end canonical] [--student RUN ...] [--reach] [--observed] \
-        [--json FILE] [--device cpu]
+        [--other-seeds] [--json FILE] [--device cpu]
 
 OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
 teacher stands in for the student a perfect distillation would give: a target that makes it pay
@@ -30,6 +30,13 @@ there is in the cross teacher's numbers, not in the buckets.
 into the part from the bucket that holds the text's own next token against all the others, and
 the rest: whether a target is far from that teacher on the text it saw or on the alternatives
 (`observed_split`).
+
+`--other-seeds` (a run with `--teacher-seeds N`, N ≥ 2) adds a floor: at the same KD positions,
+the loss the first same-tokenizer teacher would pay under same-tokenizer KD from that tokenizer's
+teacher of another seed (its own top-k and tail; `seed_floor`). A model of the student's own
+tokenizer differs from the first by that much for its seed alone, so a cross target's distance
+from the first teacher, read against it class by class, separates what the target adds from
+what any second model differs by.
 
 Chunks are classed as `bpb_by_class.py` classes them (text: digits / whitespace / other; align:
 one_to_one / student_longer / student_shorter / many) at their KD position. Numbers are nats per
@@ -214,6 +221,17 @@ def bucket_reach(
     return out
 
 
+def seed_floor(
+    term: Any, labels: Tensor, other_seed: tuple[Tensor, Tensor], ref: tuple[Tensor, Tensor],
+    top_k: int, rows: int = 256,
+) -> np.ndarray:  # fmt: skip
+    """At each KD row of `term`, the forward KL from `other_seed` (a teacher of the student's
+    tokenizer from another seed) to `ref` (the same-tokenizer teacher) over `other_seed`'s own
+    top-k and tail: the loss `ref`, standing in for the student, would pay under
+    same-tokenizer KD from `other_seed`. `[N]` float64, NaN on rows without KD."""
+    return bucket_reach(term, labels, other_seed, ref, top_k, rows)["own"]
+
+
 @torch.no_grad()
 def observed_split(
     term: Any, labels: Tensor, ref: tuple[Tensor, Tensor], rows: int = 256
@@ -317,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--observed", action="store_true",
                     help="also split each target's distance from the same-tokenizer teacher "
                     "into the bucket of the text's own token and the rest (observed_split)")  # fmt: skip
+    ap.add_argument("--other-seeds", action="store_true",
+                    help="also the same-tokenizer teacher's other seeds as targets of "
+                    "same-tokenizer KD, the floor of a second model's distance (seed_floor)")  # fmt: skip
     args = ap.parse_args(argv)
     if args.reach and not args.student:
         ap.error(
@@ -354,6 +375,18 @@ def main(argv: list[str] | None = None) -> None:
             folder / "final" if (folder / "final" / "config.json").is_file() else folder
         )
     models = {k: load_eval_model(str(v), args.device).model for k, v in stand_ins.items()}
+    other_seeds = {}
+    if args.other_seeds:
+        seeds = summary["teacher_runs"][same].get("seeds", {})
+        if len(seeds) < 2:
+            sys.exit(
+                f"--other-seeds reads a second teacher of {same}; {args.out} has one: run "
+                "bench quality with --teacher-seeds 2"
+            )
+        other_seeds = {
+            f"seed {s}": load_eval_model(str(Path(r["run"]) / "final"), args.device).model
+            for s, r in list(seeds.items())[1:]
+        }
     table: dict[str, Any] = {"out": str(args.out), "teachers": {}}
     for label, info in summary["teacher_runs"].items():
         if label == same:
@@ -392,6 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         sums: dict[str, dict[str, dict[str, list[float]]]] = {}
         reach: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
         observed: dict[str, dict[str, dict[str, float]]] = {}
+        floor: dict[str, dict[str, dict[str, float]]] = {}
         ends: dict[str, dict[str, list[float]]] = {}
         for i, b in enumerate(batches):
             sb, tb = b.student, b.teachers[0]
@@ -411,6 +445,13 @@ def main(argv: list[str] | None = None) -> None:
                     acc[k][1] += int(m.sum())
             labels = sb.labels.flatten().to(dev)
             stand = {who: hidden_and_head(model, sb) for who, model in models.items()}
+            if other_seeds:  # the KD rows are the same under every target: the first's
+                term = term_of(next(iter(tcfgs.values())), next(iter(projections.values())),
+                               tb, hidden_t, head_t, dev)  # fmt: skip
+                for who, model in other_seeds.items():
+                    got = seed_floor(term, labels, hidden_and_head(model, sb),
+                                     stand["same_teacher"], base.top_k)  # fmt: skip
+                    add_by_class(floor.setdefault(who, {}), {"nats": got}, row_class)
             for t, tcfg in tcfgs.items():
                 term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
                 for who in (w for w in stand if args.reach and w != "same_teacher"):
@@ -446,6 +487,10 @@ def main(argv: list[str] | None = None) -> None:
         if observed:
             table.setdefault("observed", {})[label] = {
                 t: means_by_class(cells) for t, cells in observed.items()
+            }
+        if floor:
+            table.setdefault("seed_floor", {})[label] = {
+                who: means_by_class(cells) for who, cells in floor.items()
             }
         table["end_step"] = {
             label: {
@@ -488,6 +533,13 @@ def print_table(table: dict[str, Any]) -> None:
                     for t in targets
                 )
                 print(f"  {name:28s} {r['full']:8.4f} {r['own']:8.4f} {vals}")
+    for label, per_who in table.get("seed_floor", {}).items():
+        print(f"\nchunks of teacher {label}: what the same-tokenizer teacher pays under "
+              "same-tokenizer KD from its tokenizer's teacher of another seed, nats per KD "
+              "position of each class")  # fmt: skip
+        print(f"  {'class':28s} " + " ".join(f"{who:>10s}" for who in per_who))
+        for name in next(iter(per_who.values())):
+            print(f"  {name:28s} " + " ".join(f"{r[name]['nats']:10.4f}" for r in per_who.values()))
     for label, rows in table.get("end_step", {}).items():
         print(f"\nteacher {label}, at the position after a chunk of one student token: its "
               "top-k mass the step past the end moves to a longer student token, the part of "

@@ -8,7 +8,13 @@ import math
 import numpy as np
 import torch
 
-from benchmarks.target_fidelity import bucket_reach, classes_by_row, observed_split, row_losses
+from benchmarks.target_fidelity import (
+    bucket_reach,
+    classes_by_row,
+    observed_split,
+    row_losses,
+    seed_floor,
+)
 from crossdistill.losses import KDTerm, VocabProjection, kd_count, kd_positions, teacher_targets
 from tests.unit.test_losses_student import make_problem, plain_kd
 
@@ -172,3 +178,30 @@ def test_observed_split_against_plain_float64_sums():
     assert seen == int(kd_count(term, labels)) - no_token > 3
     assert np.isnan(got["kl"]).sum() == got["kl"].shape[0] - seen
     assert 0 < tails < seen  # both kinds of row are checked
+
+
+def test_seed_floor_is_same_tokenizer_kd_from_the_other_seed():
+    """The floor at each KD row is the forward KL from the other seed's model to the reference
+    over the other seed's own top-k and the rest, written out plainly: the loss the reference
+    pays under same-tokenizer KD from it; a model against itself pays nothing."""
+    hidden, weight, labels, chunks, targets, proj = make_problem(7)
+    term = KDTerm(targets, proj, chunks, torch.tensor(1.0), "forward_kl")
+    term.denominator = torch.ones((), dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    other = (hidden + 0.7 * torch.randn(hidden.shape, generator=gen, dtype=torch.float64), weight)
+    k = 4
+    got = seed_floor(term, labels, other, (hidden, weight), k, rows=3)
+    p_all = torch.softmax(other[0] @ weight.t(), 1)
+    q_all = torch.softmax(hidden @ weight.t(), 1)
+    v_s = weight.shape[0]
+    kd = ~np.isnan(got)
+    assert kd.sum() == int(kd_count(term, labels)) > 3
+    for r in np.nonzero(kd)[0]:
+        p, q = p_all[r], q_all[r]
+        top = p.topk(k).indices.tolist()
+        want = _plain_bucket_kl(
+            p, q, [[i] for i in top] + [[i for i in range(v_s) if i not in top]]
+        )
+        assert abs(got[r] - want) <= 1e-12 * max(1.0, want) and want > 0
+    same = seed_floor(term, labels, (hidden, weight), (hidden, weight), k)
+    assert np.abs(same[kd]).max() < 1e-12
