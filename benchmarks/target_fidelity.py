@@ -150,7 +150,7 @@ def row_losses(term: Any, labels, hidden_s, head_s) -> np.ndarray:
     tp.row_weight = weight
     loss = reference_loss(hidden_s, head_s, plan)[0]
     (per_row,) = torch.autograd.grad(loss, weight)
-    return torch.where(kd, per_row, float("nan")).numpy()
+    return torch.where(kd, per_row, float("nan")).cpu().numpy()
 
 
 def _bucket_kl(a: Tensor, b: Tensor) -> Tensor:
@@ -280,8 +280,9 @@ def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dic
     last = (t1 - 1).clamp(min=0)
     ok = (s1 - s0 == 1) & (t1 > t0) & (s0 > 0) & (labels_t[last] >= 0)
     rows = torch.where(ok, last, -1)
-    tg = teacher_targets(hidden_t, head_t, rows, labels_t, top_k)
-    ids, p = tg.topk_ids.long(), tg.topk_logprobs.double().exp()
+    dev = hidden_t.device
+    tg = teacher_targets(hidden_t, head_t, rows.to(dev), labels_t.to(dev), top_k)
+    ids, p = tg.topk_ids.long().cpu(), tg.topk_logprobs.double().exp().cpu()
     joined_s = joins_s.lookup(ids_s[s0.clamp(min=0)].unsqueeze(-1), ids) >= 0
     joined_t = joins_t.lookup(ids_t[last].unsqueeze(-1), ids) >= 0
     nan = torch.full_like(p[:, 0], float("nan"))
