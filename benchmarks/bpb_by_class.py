@@ -166,10 +166,13 @@ def student_runs(out: Path, cells: list[str]) -> dict[str, dict[str, Path]]:
     return runs
 
 
-def teacher_folder(info: dict[str, Any]) -> Path:
-    """The final model of a teacher run (the first teacher seed's, when there are several)."""
-    run = info.get("run") or next(iter(info["seeds"].values()))["run"]
-    return Path(run) / "final"
+def teacher_folder(info: dict[str, Any], seed: int | None = None) -> Path:
+    """The final model of a teacher run: of teacher seed `seed` when there are several (by
+    default the lowest, whichever finished first)."""
+    seeds = info.get("seeds") or {}
+    if not seeds:
+        return Path(info["run"]) / "final"
+    return Path(seeds[str(min(map(int, seeds)) if seed is None else seed)]["run"]) / "final"
 
 
 def main(argv: list[str] | None = None) -> None:

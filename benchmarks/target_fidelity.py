@@ -385,8 +385,9 @@ def main(argv: list[str] | None = None) -> None:
                 "bench quality with --teacher-seeds 2"
             )
         other_seeds = {
-            f"seed {s}": load_eval_model(str(Path(r["run"]) / "final"), args.device).model
-            for s, r in list(seeds.items())[1:]
+            f"seed {s}": load_eval_model(str(teacher_folder(info, s)), args.device).model
+            for info in [summary["teacher_runs"][same]]
+            for s in sorted(map(int, seeds))[1:]
         }
     table: dict[str, Any] = {"out": str(args.out), "teachers": {}}
     for label, info in summary["teacher_runs"].items():

@@ -214,3 +214,14 @@ def test_hints_skip_single_side_cells_and_gaining_chunks():
     assert "gap closed" not in got[0]
     assert "10.0% of the bytes" in got[2] and "0.0200 bits per byte" in got[2]
     assert "(gap closed -200%)" in got[2] and LONGER_FIX in got[3]
+
+
+def test_teacher_folder_takes_the_lowest_seed_whatever_finished_first():
+    """A run of several teacher seeds records them as they finish; the teacher read is seed 0's
+    unless another is named, and a run of one teacher seed is its `run`."""
+    from benchmarks.bpb_by_class import teacher_folder
+
+    several = {"seeds": {"1": {"run": "/r/t-b"}, "0": {"run": "/r/t-a"}, "2": {"run": "/r/t-c"}}}
+    assert teacher_folder(several) == Path("/r/t-a/final")
+    assert teacher_folder(several, 2) == Path("/r/t-c/final")
+    assert teacher_folder({"run": "/r/one"}) == Path("/r/one/final")
