@@ -309,7 +309,13 @@ def hints(gap: dict[str, Any], cross: list[dict]) -> list[str]:
             row = rows[kind]
             if not applies or row["cross_gain"] >= 0:
                 continue
-            closed = "" if row["gap_closed"] is None else f" (gap closed {row['gap_closed']:.0%})"
+            same = row.get("same_gain")
+            if row["gap_closed"] is None:
+                closed = ""
+            elif same is not None and same <= 0:  # a share of a loss would read as a gain
+                closed = f" (same-tokenizer KD is worse than CE only there too, by {-same:.4f})"
+            else:
+                closed = f" (gap closed {row['gap_closed']:.0%})"
             out.append(
                 f"{entry['cell']}: its {what} ({row['byte_share']:.1%} of the bytes) are worse "
                 f"than CE only's by {-row['cross_gain']:.4f} bits per byte of the whole{closed}: "

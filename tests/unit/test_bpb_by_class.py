@@ -225,3 +225,16 @@ def test_teacher_folder_takes_the_lowest_seed_whatever_finished_first():
     assert teacher_folder(several) == Path("/r/t-a/final")
     assert teacher_folder(several, 2) == Path("/r/t-c/final")
     assert teacher_folder({"run": "/r/one"}) == Path("/r/one/final")
+
+
+def test_a_hint_gives_no_gap_closed_where_same_tokenizer_kd_loses_too():
+    """Where same-tokenizer KD is also worse than CE only in the class, the hint says so instead
+    of a gap closed over 100%, which would read as a gain."""
+    row = {"byte_share": 0.004, "same_gain": -0.0004, "cross_gain": -0.001, "gap_closed": 2.5}
+    gap = {"a": {"align/many": {**row, "cross_gain": 0.001}, "align/student_longer": row}}
+    (got,) = hints(gap, [{"cell": "a", "target": "first_piece"}])
+    assert "gap closed" not in got
+    assert "same-tokenizer KD is worse than CE only there too, by 0.0004" in got
+    gap["a"]["align/student_longer"] = {**row, "same_gain": 0.0005, "gap_closed": -2.0}
+    (got,) = hints(gap, [{"cell": "a", "target": "first_piece"}])
+    assert "(gap closed -200%)" in got
