@@ -93,16 +93,21 @@ def java_texts(archive: Path, limit: int):
         )
 
 
+def first_found(candidates: list[Path], what: str, where: Path, fix: str) -> Path:
+    """The first of `candidates` that exists; else one line saying no `what` is under `where`,
+    and `fix`."""
+    found = [f for f in candidates if f.exists()]
+    if not found:
+        raise SystemExit(f"no {what} under {where}: {fix}")
+    return found[0]
+
+
 def jdk_sources(jdk: Path | None) -> Path:
     """The source archive of `jdk`, or of the first JDK under `JVM` that ships one."""
     found = [jdk / "lib" / "src.zip"] if jdk else sorted(JVM.glob("*/lib/src.zip"))
-    found = [f for f in found if f.is_file()]
-    if not found:
-        where = jdk or JVM
-        raise SystemExit(
-            f"no lib/src.zip under {where}: install a JDK with its sources or give --jdk"
-        )
-    return found[0]
+    return first_found(
+        found, "lib/src.zip", jdk or JVM, "install a JDK with its sources or give --jdk"
+    )
 
 
 def written_by_hand(text: str) -> bool:
@@ -114,14 +119,8 @@ def rustdoc_sources(rustdoc: Path | None) -> Path:
     """The `src` folder of `rustdoc`, or of the first toolchain under `RUSTUP` whose HTML
     documentation has one."""
     found = [rustdoc / "src"] if rustdoc else sorted(RUSTUP.glob("*/share/doc/rust/html/src"))
-    found = [f for f in found if f.is_dir()]
-    if not found:
-        where = rustdoc or RUSTUP
-        raise SystemExit(
-            f"no src/ under {where}: install a Rust toolchain with its documentation "
-            "(rustup component add rust-docs) or give --rustdoc"
-        )
-    return found[0]
+    fix = "install a Rust toolchain with its documentation (rustup component add rust-docs) "
+    return first_found(found, "src/", rustdoc or RUSTUP, fix + "or give --rustdoc")
 
 
 def rust_code(page: str) -> str:

@@ -370,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     config = json.loads(ce_runs[0].read_text())
     data = from_dict(Config, config).data
     dev = torch.device(args.device)
-    stand_ins = {"same_teacher": teacher_folder(summary["teacher_runs"][same])}
+    same_info = summary["teacher_runs"][same]
+    stand_ins = {"same_teacher": teacher_folder(same_info)}
     for folder in args.student:
         stand_ins[folder.name if folder.name != "final" else folder.parent.name] = (
             folder / "final" if (folder / "final" / "config.json").is_file() else folder
@@ -378,15 +379,14 @@ def main(argv: list[str] | None = None) -> None:
     models = {k: load_eval_model(str(v), args.device).model for k, v in stand_ins.items()}
     other_seeds = {}
     if args.other_seeds:
-        seeds = summary["teacher_runs"][same].get("seeds", {})
+        seeds = same_info.get("seeds", {})
         if len(seeds) < 2:
             sys.exit(
                 f"--other-seeds reads a second teacher of {same}; {args.out} has one: run "
                 "bench quality with --teacher-seeds 2"
             )
         other_seeds = {
-            f"seed {s}": load_eval_model(str(teacher_folder(info, s)), args.device).model
-            for info in [summary["teacher_runs"][same]]
+            f"seed {s}": load_eval_model(str(teacher_folder(same_info, s)), args.device).model
             for s in sorted(map(int, seeds))[1:]
         }
     table: dict[str, Any] = {"out": str(args.out), "teachers": {}}
@@ -447,15 +447,13 @@ def main(argv: list[str] | None = None) -> None:
                     acc[k][1] += int(m.sum())
             labels = sb.labels.flatten().to(dev)
             stand = {who: hidden_and_head(model, sb) for who, model in models.items()}
-            if other_seeds:  # the KD rows are the same under every target: the first's
-                term = term_of(next(iter(tcfgs.values())), next(iter(projections.values())),
-                               tb, hidden_t, head_t, dev)  # fmt: skip
-                for who, model in other_seeds.items():
+            for t, tcfg in tcfgs.items():
+                term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
+                # the floor once, at the first target's KD rows: every target has the same
+                for who, model in other_seeds.items() if t == next(iter(tcfgs)) else []:
                     got = seed_floor(term, labels, hidden_and_head(model, sb),
                                      stand["same_teacher"], base.top_k)  # fmt: skip
                     add_by_class(floor.setdefault(who, {}), {"nats": got}, row_class)
-            for t, tcfg in tcfgs.items():
-                term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
                 for who in (w for w in stand if args.reach and w != "same_teacher"):
                     got = bucket_reach(term, labels, stand["same_teacher"], stand[who], base.top_k)
                     add_by_class(reach.setdefault(who, {}).setdefault(t, {}), got, row_class)
