@@ -89,7 +89,7 @@ def profiled_step(bench: Bench, args, repeats: int = 3) -> dict[str, float]:
             tb = batch.teachers[k]
             with timer(f"teacher/{slot.cfg.name}"):  # body, lm_head and top-k
                 targets = c.placement.teacher_targets(slot, k, tb, chunk)
-            term = make_term(slot, tb, targets, dev)
+            term = make_term(slot, tb, targets, dev, batch.student.input_ids)
             term.denominator = kd_count(term, labels).to(torch.float32)
             terms.append(term)
         with timer("student_body_forward"), torch.autocast(dev.type, torch.bfloat16, autocast):

@@ -4,8 +4,8 @@ buckets) that a student would pay if it were the run's same-tokenizer teacher, s
 of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
-        [--past-end all --past-end canonical] [--student RUN ...] [--reach] [--observed] \
-        [--other-seeds] [--json FILE] [--device cpu]
+        [--past-end all --past-end canonical] [--boundary ignore --boundary condition] \
+        [--student RUN ...] [--reach] [--observed] [--other-seeds] [--json FILE] [--device cpu]
 
 OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
 teacher stands in for the student a perfect distillation would give: a target that makes it pay
@@ -111,8 +111,9 @@ def hidden_and_head(model: torch.nn.Module, side: Any) -> tuple[torch.Tensor, to
     return hidden, model.get_output_embeddings().weight.float()
 
 
-def term_of(tcfg: Any, projection: Any, tb: Any, hidden_t, head_t, device) -> Any:
-    """Teacher `tcfg`'s KD term on batch side `tb`, as a training step builds it."""
+def term_of(tcfg: Any, projection: Any, tb: Any, hidden_t, head_t, device, ids_s) -> Any:
+    """Teacher `tcfg`'s KD term on batch side `tb` (student inputs `ids_s`), as a training step
+    builds it."""
     from crossdistill.distributed.runtime import make_term
     from crossdistill.losses.target_kinds import reads_past_end, target_depth
     from crossdistill.losses.targets import target_rows, teacher_targets
@@ -123,7 +124,8 @@ def term_of(tcfg: Any, projection: Any, tb: Any, hidden_t, head_t, device) -> An
         hidden_t, head_t, rows, tb.labels.to(device).flatten(), tcfg.top_k, tcfg.temperature
     )
     targets.depth = depth
-    term = make_term(SimpleNamespace(cfg=tcfg, projection=projection), tb, targets, device)
+    slot = SimpleNamespace(cfg=tcfg, projection=projection)
+    term = make_term(slot, tb, targets, device, ids_s)
     term.denominator = torch.ones((), device=device)
     return term
 
@@ -327,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deep-alternatives", action="append", choices=["join", "longest"],
                     help="teachers.N.deep_alternatives of the lookahead targets (repeatable: one "
                     "column each; default join)")  # fmt: skip
+    ap.add_argument("--boundary", action="append", choices=["ignore", "condition"],
+                    help="teachers.N.boundary of every target (repeatable: one column each; "
+                    "default ignore)")  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, default=0, help="at most this many (0: all)")
@@ -362,6 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     args.past_end = list(dict.fromkeys(args.past_end or [default_end]))
     args.many_chunks = list(dict.fromkeys(args.many_chunks or [default_many]))
     args.deep_alternatives = list(dict.fromkeys(args.deep_alternatives or [default_deep]))
+    default_boundary = TeacherConfig.boundary
+    args.boundary = list(dict.fromkeys(args.boundary or [default_boundary]))
     summary = json.loads((args.out / "summary.json").read_text())
     same = summary["same_tokenizer"]
     ce_runs = sorted((args.out / "students" / "ce").glob("seed*/config.json"))
@@ -406,11 +413,24 @@ def main(argv: list[str] | None = None) -> None:
                 [t]
                 + [
                     v
-                    for v, d in ((end, default_end), (many, default_many), (deep, default_deep))
+                    for v, d in (
+                        (end, default_end),
+                        (many, default_many),
+                        (deep, default_deep),
+                        (bound, default_boundary),
+                    )
                     if v != d
                 ]
-            ): replace(base, target=t, past_end=end, many_chunks=many, deep_alternatives=deep)
+            ): replace(
+                base,
+                target=t,
+                past_end=end,
+                many_chunks=many,
+                deep_alternatives=deep,
+                boundary=bound,
+            )
             for t in args.target
+            for bound in args.boundary
             for end in (args.past_end if target_kind(t).past_end else [default_end])
             for many in (args.many_chunks if target_kind(t).lookahead else [default_many])
             for deep in (args.deep_alternatives if target_kind(t).lookahead else [default_deep])
@@ -448,7 +468,7 @@ def main(argv: list[str] | None = None) -> None:
             labels = sb.labels.flatten().to(dev)
             stand = {who: hidden_and_head(model, sb) for who, model in models.items()}
             for t, tcfg in tcfgs.items():
-                term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev)
+                term = term_of(tcfg, projections[t], tb, hidden_t, head_t, dev, sb.input_ids)
                 # the floor once, at the first target's KD rows: every target has the same
                 for who, model in other_seeds.items() if t == next(iter(tcfgs)) else []:
                     got = seed_floor(term, labels, hidden_and_head(model, sb),

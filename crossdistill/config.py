@@ -67,6 +67,9 @@ ManyChunks = Literal["first_piece", "path"]
 DeepAlternatives = Literal["join", "longest"]
 # the share unseen teacher tokens are drawn toward by `lookahead_split` (`TeacherConfig.split_prior`)
 SplitPrior = Literal["boundaries", "tokens"]
+# what a KD position's target does with the next bytes the student's last token rules out
+# (`TeacherConfig.boundary`)
+Boundary = Literal["ignore", "condition"]
 # the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
 CEWithoutKD = Literal["ratio", "full"]
 # how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
@@ -209,6 +212,13 @@ class TeacherConfig(ModelConfig):
     # teacher never writes, and the split's prior": there it changed the students by under
     # 0.01%, so "boundaries" stays)
     split_prior: SplitPrior = "boundaries"
+    # a cross teacher's top-k at a KD position: "condition" drops the continuations whose first
+    # byte the student's last token rules out there (Llama-3's `;\n` is never followed by a line
+    # end, where Mistral's `<0x0A>` often is) and divides the rest by what is left, the teacher's
+    # distribution given what the student's token boundary says (`losses.boundaries`; the ruled
+    # out bytes are counted at load on a sample of the training text); "ignore" reads the top-k
+    # as it is. With identical tokenizers nothing is dropped
+    boundary: Boundary = "ignore"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs
     cache: str | None = None

@@ -361,7 +361,7 @@ class Experiment:
                 ahead = target == "auto" or any(
                     target_kind(part).lookahead for part in target_parts(target)
                 )
-                for ratio, chunks, ce, warmup, end, many, deep in itertools.product(
+                for ratio, chunks, ce, warmup, end, many, deep, bound in itertools.product(
                     spec.kd_ratios,
                     spec.kd_chunks,
                     spec.ce_without_kd,
@@ -369,6 +369,7 @@ class Experiment:
                     spec.past_end if reads else [TeacherConfig.past_end],
                     spec.many_chunks if ahead else [TeacherConfig.many_chunks],
                     spec.deep_alternatives if ahead else [TeacherConfig.deep_alternatives],
+                    spec.boundary,
                 ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
@@ -379,6 +380,8 @@ class Experiment:
                         name += f"-many_{many}"
                     if deep != TeacherConfig.deep_alternatives:
                         name += f"-deep_{deep}"
+                    if bound != TeacherConfig.boundary:
+                        name += f"-boundary_{bound}"
                     if ce != TrainConfig.ce_without_kd:
                         name += f"-ce_{ce}"
                     if warmup != TrainConfig.kd_warmup_steps:
@@ -398,6 +401,7 @@ class Experiment:
                             past_end=end,
                             many_chunks=many,
                             deep_alternatives=deep,
+                            boundary=bound,
                         )
                     )
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
@@ -609,6 +613,7 @@ class Experiment:
                         "past_end": cell.past_end,
                         "many_chunks": cell.many_chunks,
                         "deep_alternatives": cell.deep_alternatives,
+                        "boundary": cell.boundary,
                     }
                 )
                 if len(terms) > 1:  # one KD term per target, the weight shared equally
@@ -676,6 +681,7 @@ class Experiment:
             "past_end": self.spec.past_end,
             "many_chunks": self.spec.many_chunks,
             "deep_alternatives": self.spec.deep_alternatives,
+            "boundary": self.spec.boundary,
             "ce_without_kd": self.spec.ce_without_kd,
             "kd_warmup_steps": self.spec.kd_warmup_steps,
             "kd_ratios": self.spec.kd_ratios,

@@ -19,6 +19,7 @@ from crossdistill.bench.quality_spec import SCALES, QualitySpec, parse_teacher_s
 from crossdistill.config import (
     LOSSES,
     TARGETS,
+    Boundary,
     CEWithoutKD,
     DeepAlternatives,
     KDChunks,
@@ -104,6 +105,7 @@ def add_parser(subparsers) -> None:
             "teachers.N.deep_alternatives",
             TeacherConfig.deep_alternatives,
         ),
+        ("--boundary", Boundary, "teachers.N.boundary", TeacherConfig.boundary),
         ("--ce-without-kd", CEWithoutKD, "train.ce_without_kd", TrainConfig.ce_without_kd),
     ):
         p.add_argument(
@@ -271,6 +273,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
         deep_alternatives=list(
             dict.fromkeys(args.deep_alternatives or [TeacherConfig.deep_alternatives])
         ),
+        boundary=list(dict.fromkeys(args.boundary or [TeacherConfig.boundary])),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
         kd_ratios=list(dict.fromkeys(args.kd_ratio or [TrainConfig.kd_ratio])),

@@ -31,6 +31,7 @@ class Cell:
     past_end: str = TeacherConfig.past_end
     many_chunks: str = TeacherConfig.many_chunks
     deep_alternatives: str = TeacherConfig.deep_alternatives
+    boundary: str = TeacherConfig.boundary
 
 
 def summarize(
@@ -156,6 +157,7 @@ def summarize(
             "past_end": cell.past_end,
             "many_chunks": cell.many_chunks,
             "deep_alternatives": cell.deep_alternatives,
+            "boundary": cell.boundary,
             "ce_without_kd": cell.ce_without_kd,
             "kd_warmup_steps": cell.kd_warmup_steps,
             "kd_ratio": cell.kd_ratio,
@@ -386,6 +388,8 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
         deep = entry.get("deep_alternatives", TeacherConfig.deep_alternatives)
         if deep != TeacherConfig.deep_alternatives:
             label += f" deep_alternatives {deep}"
+        if entry.get("boundary", TeacherConfig.boundary) != TeacherConfig.boundary:
+            label += f" boundary {entry['boundary']}"
         if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
             label += f" ce_without_kd {entry['ce_without_kd']}"
         if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):

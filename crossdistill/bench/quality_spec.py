@@ -15,6 +15,7 @@ from crossdistill.config import (
     DISTRIBUTION_LOSSES,
     LOSSES,
     TARGETS,
+    Boundary,
     CEWithoutKD,
     DeepAlternatives,
     KDChunks,
@@ -248,6 +249,8 @@ class QualitySpec:
     many_chunks: list[str] = field(default_factory=lambda: [TeacherConfig.many_chunks])
     # the cross cells' `deep_alternatives` (the lookahead targets): each cross cell runs under each
     deep_alternatives: list[str] = field(default_factory=lambda: [TeacherConfig.deep_alternatives])
+    # the cross cells' `boundary`: each cross cell runs under each
+    boundary: list[str] = field(default_factory=lambda: [TeacherConfig.boundary])
     # the cross cells' `train.ce_without_kd`: each cross cell runs under each
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
@@ -294,6 +297,7 @@ class QualitySpec:
             ("--past-end", self.past_end, PastEnd),
             ("--many-chunks", self.many_chunks, ManyChunks),
             ("--deep-alternatives", self.deep_alternatives, DeepAlternatives),
+            ("--boundary", self.boundary, Boundary),
             ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),
         ):
             choices = get_args(kind)

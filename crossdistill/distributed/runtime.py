@@ -47,6 +47,7 @@ from crossdistill.losses import (
     target_rows,
     teacher_targets,
 )
+from crossdistill.losses.boundaries import tokens_before
 from crossdistill.losses.sharding import RowShard
 from crossdistill.models.attention import flash_covers, segments_of
 from crossdistill.models.teacher import Teacher
@@ -398,11 +399,11 @@ def shard_kwargs(rows: Any, vocab: Any) -> dict[str, Any]:
     return out
 
 
-def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KDTerm:
-    """Teacher `slot`'s KD term on micro-batch `tb` (its denominator and weight are set by the
-    caller, from the whole global batch)."""
+def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device, ids_s: Tensor) -> KDTerm:
+    """Teacher `slot`'s KD term on micro-batch `tb`, whose student inputs are `ids_s` (its
+    denominator and weight are set by the caller, from the whole global batch)."""
     params = {"beta": slot.cfg.beta, "alpha": slot.cfg.alpha}
-    first_t = ahead = None
+    first_t = ahead = before = None
     kind = target_kind(slot.cfg.target)
     chunks = _to(tb.chunks, device)
     if kind.context and not tb.same_as_student:
@@ -410,6 +411,9 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
     depth = target_depth(slot.cfg.target, tb.same_as_student)
     if depth > 1:
         ahead = chunk_tokens(_to(tb.input_ids, device).view(-1), chunks, depth)
+    if slot.projection.boundaries is not None and not tb.same_as_student:
+        flat_t = _to(tb.input_ids, device).view(-1)
+        before = tokens_before(chunks, _to(ids_s, device).view(-1), flat_t)
     return KDTerm(
         targets=targets,
         projection=slot.projection,
@@ -425,6 +429,7 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device) -> KD
         past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
         longer_only=kind.longer_only,
         mix=kind.mix,
+        before=before,
     )
 
 

@@ -16,11 +16,15 @@
   teacher's mass (`target_kind(name)`), the one place the code outside their math asks.
 - `kernels.py`, `group_kernels.py`: the fused vocabulary-wide passes (Triton on CUDA, each with
   its PyTorch reference), the second for targets with token-group buckets.
+- `boundaries.py`: a KD position's top-k conditioned on the next bytes the student's token
+  before it rules out (`teachers.N.boundary: condition`; the table is counted at load by
+  `train.boundaries`).
 - `payload.py`: targets as one byte buffer (what a separate teacher sends) and the int8
   quantisation the teacher cache shares.
 
 Imports `errors` and `config` only: no model, tokenizer or data code."""
 
+from crossdistill.losses.boundaries import Boundaries
 from crossdistill.losses.divergences import (
     ce,
     chunk_likelihood,
@@ -64,6 +68,7 @@ __all__ = [
     "LOOKAHEAD_DEPTH",
     "TARGET_KINDS",
     "LOSSES",
+    "Boundaries",
     "Buckets",
     "ByteLengths",
     "Extensions",

@@ -19,6 +19,7 @@ from torch import Tensor
 from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, CEWithoutKD
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
+from crossdistill.losses.boundaries import condition
 from crossdistill.losses.lookahead import project_lookahead
 from crossdistill.losses.projection import (
     Buckets,
@@ -58,7 +59,10 @@ class KDTerm:
     tokens. `mix` (`lookahead_mix`): a lookahead term whose projection has prefix groups is two
     divergences at half weight each, one without the groups and one with them. Groups with a
     `short_logshare` (`lookahead_split`) give that share of each alternative to its exact
-    student token."""
+    student token. `before [C, 3]` (`boundary: condition`, with the projection's `boundaries`):
+    per chunk, the student's and the teacher's token before it and the teacher's first token of
+    it (−1: none); the KD positions' top-k is then conditioned on what the student's token rules
+    out (`losses.boundaries`)."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -74,6 +78,7 @@ class KDTerm:
     past_end: bool = False
     longer_only: bool = False
     mix: bool = False
+    before: Tensor | None = None
 
     @property
     def temperature(self) -> float:
@@ -422,6 +427,7 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
     mask = None if term.chunk_mask is None else term.chunk_mask.to(device)
     first_t = None if term.first_t is None else term.first_t.to(device)
     ahead = None if term.lookahead is None else term.lookahead.to(device)
+    before = None if term.before is None else term.before.to(device)
     return dataclasses.replace(
         term,
         targets=tg,
@@ -430,13 +436,40 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
         chunk_mask=mask,
         first_t=first_t,
         lookahead=ahead,
+        before=before,
     )
+
+
+def _conditioned(term: KDTerm) -> KDTerm:
+    """`term` with each KD position's top-k conditioned on what the student's token before the
+    chunk rules out (`losses.boundaries`); the rows after it (lookahead) are left as they are."""
+    bounds, before = term.projection.boundaries, term.before
+    if bounds is None or before is None:
+        return term
+    tg = term.targets
+    depth = 1 if term.lookahead is None else term.lookahead.shape[1]
+    c = term.chunks.shape[0]
+    ids = tg.topk_ids.view(c, depth, -1)
+    lp = tg.topk_logprobs.view(c, depth, -1)
+    tail = tg.tail_logprob.view(c, depth)
+    dropped = bounds.dropped(before[:, 0], before[:, 1], before[:, 2], ids[:, 0])
+    ids0, lp0, tail0 = condition(ids[:, 0], lp[:, 0], tail[:, 0], dropped)
+    ids = torch.cat([ids0.to(ids.dtype).unsqueeze(1), ids[:, 1:]], 1)
+    lp = torch.cat([lp0.unsqueeze(1), lp[:, 1:]], 1)
+    tail = torch.cat([tail0.unsqueeze(1), tail[:, 1:]], 1)
+    tg = dataclasses.replace(
+        tg,
+        topk_ids=ids.view(tg.topk_ids.shape),
+        topk_logprobs=lp.view(tg.topk_logprobs.shape),
+        tail_logprob=tail.view(tg.tail_logprob.shape),
+    )
+    return dataclasses.replace(term, targets=tg)
 
 
 def _term_plan(term: KDTerm, labels_s: Tensor, kd_ratio: float, dtype: torch.dtype) -> TermPlan:
     term.check()
     n, device = labels_s.shape[0], labels_s.device
-    term = _local(term, device, dtype)
+    term = _conditioned(_local(term, device, dtype))
     chunks, tg = term.chunks, term.targets
     valid = kd_valid(term, labels_s)
     rows = chunks[:, 0] - 1

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from crossdistill.errors import UserError
+from crossdistill.losses.boundaries import Boundaries
 
 NEG_INF = float("-inf")
 
@@ -51,6 +52,9 @@ class VocabProjection:
     # `teachers.N.deep_alternatives: longest`: where the lookahead target's alternatives past the
     # first teacher token go, the student's longest token over the path so far and their start
     extensions: Extensions | None = None
+    # `teachers.N.boundary: condition`: the next first bytes each student and teacher token rules
+    # out after it, and each teacher token's first byte (`losses.boundaries`)
+    boundaries: Boundaries | None = None
 
     @classmethod
     def identity(cls, vocab: int, device: torch.device | str | None = None) -> VocabProjection:
@@ -147,6 +151,7 @@ class VocabProjection:
             move(self.teacher_joins),
             move(self.byte_lengths),
             move(self.extensions),
+            move(self.boundaries),
         )
 
 

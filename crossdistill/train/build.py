@@ -125,7 +125,29 @@ def build_projection_for(
         out.byte_lengths = ByteLengths(
             _byte_lengths(tok_t, rows_t).to(device), _byte_lengths(tok_s, rows_s).to(device)
         )
+    if tcfg.boundary == "condition":
+        out.boundaries, counted = _boundaries(tcfg, tok_s, tok_t, data, rows_s, rows_t)
+        out.boundaries = out.boundaries.to(device)
+        if notes is not None:
+            notes.append(counted)
     return out
+
+
+def _boundaries(tcfg: TeacherConfig, tok_s, tok_t, data: DataConfig | None, rows_s, rows_t):
+    """`boundary: condition`'s table (`train.boundaries`), counted on a sample of the training
+    text, and a line saying what the count blocked."""
+    from crossdistill.data.build import sample_texts
+    from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS, build_boundaries
+
+    if data is None:
+        raise UserError(
+            f"teacher {tcfg.name!r}: boundary: condition counts what the student's tokens rule "
+            "out on the training text: build the projection with the run's data settings "
+            "(build_projection_for(..., data=cfg.data))"
+        )
+    texts = sample_texts(data, SAMPLE_BYTES, rows_per_file=SAMPLE_ROWS)
+    table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t)
+    return table, f"teacher {tcfg.name!r}: {line}"
 
 
 def _byte_lengths(tok, rows: int) -> torch.Tensor:

@@ -99,7 +99,7 @@ def _score(
     terms = []
     for k, slot in enumerate(c.slots):
         tb, name = batch.teachers[k], slot.cfg.name
-        term = make_term(slot, tb, targets[k], dev)
+        term = make_term(slot, tb, targets[k], dev, batch.student.input_ids)
         term.denominator = torch.ones((), device=dev)
         terms.append(term)
         add(whole, f"kdn/{name}", kd_count(term, labels))

@@ -137,7 +137,10 @@ def train_step(
             pipe.train([mb.student for mb in micro_batches], None)
         return pipe.share({})
     terms = [
-        [make_term(s, mb.teachers[k], targets[i][k], dev) for k, s in enumerate(slots)]
+        [
+            make_term(s, mb.teachers[k], targets[i][k], dev, mb.student.input_ids)
+            for k, s in enumerate(slots)
+        ]
         for i, mb in enumerate(micro_batches)
     ]
 

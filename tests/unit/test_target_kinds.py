@@ -108,7 +108,7 @@ def test_the_term_built_for_a_target_names_it(name, same_as_student):
         temperature=1.0,
         depth=depth,
     )
-    term = make_term(slot, tb, targets, torch.device("cpu"))
+    term = make_term(slot, tb, targets, torch.device("cpu"), tb.input_ids)
     if not same_as_student:
         assert term.target == name
     else:  # a teacher with the student's tokenizer reads one row and needs no continuation
