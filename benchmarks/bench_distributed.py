@@ -202,7 +202,7 @@ def slots_for(cfg: Config, models_t: list, device: torch.device) -> list:
     for t, r, model in zip(cfg.teachers, res_t, models_t):
         tok = load_tokenizer(t.tokenizer)
         proj = build_projection_for(
-            t, tok, tok_s, r.hf_config.vocab_size, res_s.hf_config.vocab_size, device
+            t, tok, tok_s, r.hf_config.vocab_size, res_s.hf_config.vocab_size, device, cfg.data
         )
         slots.append(TeacherSlot(Teacher(model, t.name), t, proj))
     return slots

@@ -44,10 +44,13 @@ def first_bytes(table: Any, rows: int) -> np.ndarray:
     return out
 
 
-def blocked_keys(sequences: Iterable[np.ndarray], first: np.ndarray) -> np.ndarray:
+def blocked_keys(
+    sequences: Iterable[np.ndarray], first: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """Sorted int64 keys `u·256 + b`: the pairs (token u, first byte b of the next token) that
     `sequences` (token ids) never show where they are expected `EXPECTED_COUNT` times or more
-    after a token seen `MIN_COUNT` times or more (module docstring)."""
+    after a token seen `MIN_COUNT` times or more (module docstring); and how often each token
+    is followed by one that covers text."""
     pairs = []
     for ids in sequences:
         ids = np.asarray(ids, dtype=np.int64)
@@ -58,16 +61,16 @@ def blocked_keys(sequences: Iterable[np.ndarray], first: np.ndarray) -> np.ndarr
         ok = (first[u] >= 0) & (b >= 0)
         pairs.append(u[ok] * 256 + b[ok])
     if not pairs or not sum(p.size for p in pairs):
-        return np.zeros(0, dtype=np.int64)
+        return np.zeros(0, dtype=np.int64), np.zeros(first.shape[0], dtype=np.int64)
     keys = np.concatenate(pairs)
     seen = np.unique(keys)
-    per_token = np.bincount(keys // 256)
+    per_token = np.bincount(keys // 256, minlength=first.shape[0])
     rate = np.bincount(keys % 256, minlength=256) / keys.size
     tokens = np.nonzero(per_token >= MIN_COUNT)[0]
     expected = per_token[tokens, None] * rate[None, :] >= EXPECTED_COUNT
     u, b = np.nonzero(expected)
     candidates = tokens[u] * 256 + b
-    return np.setdiff1d(candidates, seen)
+    return np.setdiff1d(candidates, seen), per_token
 
 
 def build_boundaries(tok_s: Any, tok_t: Any, texts: list[str], rows_s: int, rows_t: int):
@@ -82,16 +85,19 @@ def build_boundaries(tok_s: Any, tok_t: Any, texts: list[str], rows_s: int, rows
     pipe = Pipeline(TokenizerSide(tok_s, fast=False), TokenizerSide(tok_t, fast=False))
     ids_s, ids_t = pipe.encode(texts)
     first_s, first_t = first_bytes(pipe.bytes_s, rows_s), first_bytes(pipe.bytes_t, rows_t)
-    blocked_s, blocked_t = blocked_keys(ids_s, first_s), blocked_keys(ids_t, first_t)
+    (blocked_s, seen_s), (blocked_t, _) = blocked_keys(ids_s, first_s), blocked_keys(ids_t, first_t)
     out = Boundaries(
         torch.from_numpy(first_t), torch.from_numpy(blocked_s), torch.from_numpy(blocked_t)
     )
-    return out, describe(tok_s, pipe.bytes_s, blocked_s, blocked_t, sum(map(len, ids_s)))
+    n = sum(map(len, ids_s))
+    return out, describe(pipe.bytes_s, blocked_s, blocked_t, seen_s, n)
 
 
-def describe(tok_s: Any, bytes_s: Any, blocked_s: np.ndarray, blocked_t: np.ndarray, n: int):
-    """One line for the run's log: what the counts blocked, with the student's most common
-    example (the line end after a line end, where that is one)."""
+def describe(
+    bytes_s: Any, blocked_s: np.ndarray, blocked_t: np.ndarray, seen_s: np.ndarray, n: int
+) -> str:
+    """One line for the run's log: what the counts blocked, with the student's three most
+    frequent tokens (`seen_s`: how often each was seen) after which a line end never comes."""
     tokens = np.unique(blocked_s // 256).size
     line = (
         f"boundary: the student's tokenizer rules out {blocked_s.size:,} next first bytes after "
@@ -100,9 +106,10 @@ def describe(tok_s: Any, bytes_s: Any, blocked_s: np.ndarray, blocked_t: np.ndar
     )
     if blocked_s.size == 0:
         return line + " (none: give the run more training text, or leave boundary at ignore)"
-    newline = blocked_s[blocked_s % 256 == 10]
+    newline = blocked_s[blocked_s % 256 == 10] // 256
     if newline.size:
+        top = newline[np.argsort(-seen_s[newline], kind="stable")[:3]]
         examples = ", ".join(repr(bytes_s.token_bytes(int(u)).decode("utf-8", "replace"))
-                             for u in (newline[:3] // 256).tolist())  # fmt: skip
-        line += f"; a line end after {examples}, ..."
+                             for u in top.tolist())  # fmt: skip
+        line += f"; a line end never after {examples}, ..."
     return line

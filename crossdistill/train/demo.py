@@ -224,6 +224,8 @@ def run_stage(cfg: Config, reuse: bool) -> dict[str, float]:
 # those runs ran under, filled in where a saved teacher of a lookahead target (or `auto`, which
 # may resolve to one) lacks the key, so that they are not taken for runs at today's default
 TEACHER_SETTINGS_BEFORE = {"many_chunks": "first_piece"}
+# the same for settings of every teacher, whatever its target
+EVERY_TEACHER_BEFORE = {"boundary": "ignore"}
 
 
 # run settings that change what a run shows, not what it trains
@@ -245,17 +247,21 @@ def _same_run(saved: dict[str, Any] | None, cfg: dict[str, Any]) -> bool:
 
 def _saved_config(path: Path) -> dict[str, Any] | None:
     """A run's saved config with the settings added since filled in: the defaults, or, for
-    those in `TEACHER_SETTINGS_BEFORE`, the values runs had before them (None: it no longer
-    loads)."""
+    those in `TEACHER_SETTINGS_BEFORE` and `EVERY_TEACHER_BEFORE`, the values runs had before
+    them (None: it no longer loads)."""
     from crossdistill.losses import TARGET_KINDS
 
     try:
         raw = json.loads(path.read_text())
         for teacher in raw.get("teachers") or []:
-            target = teacher.get("target", "auto") if isinstance(teacher, dict) else None
+            if not isinstance(teacher, dict):
+                continue
+            target = teacher.get("target", "auto")
             if target == "auto" or (target in TARGET_KINDS and TARGET_KINDS[target].lookahead):
                 for key, value in TEACHER_SETTINGS_BEFORE.items():
                     teacher.setdefault(key, value)
+            for key, value in EVERY_TEACHER_BEFORE.items():
+                teacher.setdefault(key, value)
         return to_dict(from_dict(Config, raw))
     except (UserError, ValueError):
         return None

@@ -194,7 +194,7 @@ def prepare(cfg: Config, count: int, path: Path) -> Scenario:
     for t, tok, r in zip(cfg.teachers, toks_t, res_t):
         cpu = torch.device("cpu")
         projections[t.name] = build_projection_for(
-            t, tok, tok_s, r.hf_config.vocab_size, rows_s, cpu
+            t, tok, tok_s, r.hf_config.vocab_size, rows_s, cpu, cfg.data
         )
     scenario = Scenario(batches, projections)
     torch.save(scenario, path)

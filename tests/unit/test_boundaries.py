@@ -209,16 +209,19 @@ def test_the_lookahead_target_conditions_its_kd_rows_only(past_end):
 
 def test_blocked_keys_need_a_frequent_token_and_an_expected_byte():
     """Byte 0 starts most tokens; token 1 is followed by byte-1 tokens only, MIN_COUNT times;
-    token 2 the same, but too rarely; byte 2 is too rare anywhere to be expected after 1."""
+    token 2 by byte-2 tokens only, too rarely to say; byte 2 is too rare to be expected after 1.
+    Pairs count within a sequence only."""
     first = np.array([0, 1, 2, 3, 0, 0])
-    seq = [4, 5] * 4 * MIN_COUNT + [1, 1] * MIN_COUNT + [2, 1] * (MIN_COUNT // 4) + [3, 2]
-    got = blocked_keys([np.array(seq)], first)
-    rate = np.bincount(first[np.array(seq[1:])], minlength=256) / (len(seq) - 1)
-    assert 1 * 256 + 0 in got  # expected about MIN_COUNT * 0.8 times, never seen
-    assert not any(k // 256 == 2 for k in got)  # token 2 is seen too rarely
-    assert 1 * 256 + 2 not in got and MIN_COUNT * rate[2] < EXPECTED_COUNT
+    seqs = [[4, 5] * 4 * MIN_COUNT, [1] * (MIN_COUNT + 1), [2] * (MIN_COUNT // 4 + 1), [5, 3]]
+    got, seen = blocked_keys([np.array(x) for x in seqs], first)
+    assert (seen[1], seen[2], seen[4], seen[5]) == (MIN_COUNT, MIN_COUNT // 4, *[4 * MIN_COUNT] * 2)
+    rate = np.array([8 * MIN_COUNT - 1, MIN_COUNT, MIN_COUNT // 4, 1]) / sum(map(len, seqs))
+    assert MIN_COUNT * rate[0] >= EXPECTED_COUNT > MIN_COUNT * rate[2]
+    assert 1 * 256 + 0 in got  # expected about 85 times after token 1, never seen
     assert 1 * 256 + 1 not in got  # seen
-    assert blocked_keys([np.array([1])], first).size == 0
+    assert 1 * 256 + 2 not in got and 1 * 256 + 3 not in got  # bytes too rare to expect
+    assert not any(k // 256 == 2 for k in got)  # token 2 is seen too rarely
+    assert blocked_keys([np.array([1])], first)[0].size == 0
 
 
 def test_llama3_rules_out_a_line_end_after_its_line_end_and_mistral_does_not(tokenizer_dir):
@@ -241,6 +244,7 @@ def test_llama3_rules_out_a_line_end_after_its_line_end_and_mistral_does_not(tok
     )
     assert dropped.tolist() == [[True]]
     assert re.search(r"rules out [\d,]+ next first bytes after [\d,]+ of its tokens", line)
+    assert "a line end never after ' =', 'y', ')', ..." in line  # the most frequent three
 
 
 def test_identical_tokenizers_get_no_table(tokenizer_dir, tmp_path):
@@ -272,7 +276,8 @@ def test_a_run_conditions_and_says_what_it_counted(tmp_path, tokenizer_dir, caps
         with open(cfg.data.train[0], "w") as f:
             for i, text in enumerate(h.TEXTS * 30):
                 f.write(json.dumps({"text": f"{i}: {text}"}) + "\n")
-        cfg.teachers[0].boundary = boundary
+        for teacher in cfg.teachers:
+            teacher.boundary = boundary
         kd[boundary] = h.first_kd(cfg)
         logs[boundary] = "".join(capsys.readouterr())
     assert all(math.isfinite(v) for v in kd.values())

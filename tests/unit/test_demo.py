@@ -93,6 +93,24 @@ def test_the_teachers_text_is_every_training_file_in_pieces(tmp_path):
     assert demo.teacher_text(train, 0) == train
 
 
+def test_a_saved_run_from_before_the_boundary_setting_is_a_run_that_ignored_it(tmp_path):
+    """`teachers.N.boundary` came with a default ("condition") that runs saved before it did not
+    train under: such a run is one under "ignore", retrained at today's default."""
+    import json
+
+    cfg = load_config(REPO / "configs" / "demo.yaml")
+    assert cfg.teachers and all(t.boundary == "condition" for t in cfg.teachers)
+    raw = to_dict(cfg)
+    for teacher in raw["teachers"]:
+        del teacher["boundary"]
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(raw))
+    assert demo._saved_config(saved) != to_dict(cfg)
+    for teacher in cfg.teachers:
+        teacher.boundary = "ignore"
+    assert demo._saved_config(saved) == to_dict(cfg)
+
+
 def test_a_saved_run_config_from_before_a_new_setting_still_matches(tmp_path):
     """A run written before a setting was added (its saved config lacks the key) is the same
     run as one with that setting at its default: reused, not retrained; a changed value or a

@@ -120,7 +120,7 @@ def test_the_projection_carries_extensions_under_longest_only(tokenizer_dir):
     tok_t = load_tokenizer(str(tokenizer_dir("mistral")))
 
     def build(**kw):
-        tcfg = TeacherConfig(path="unused", **kw)
+        tcfg = TeacherConfig(path="unused", boundary="ignore", **kw)
         rows_t, rows_s = len(tok_t), len(tok_s)
         return build_projection_for(tcfg, tok_t, tok_s, rows_t, rows_s, torch.device("cpu"))
 
@@ -128,7 +128,9 @@ def test_the_projection_carries_extensions_under_longest_only(tokenizer_dir):
     assert build(target="lookahead").extensions is None
     assert build(target="first_piece", deep_alternatives="longest").extensions is None
     same = build_projection_for(
-        TeacherConfig(path="unused", target="lookahead", deep_alternatives="longest"),
+        TeacherConfig(
+            path="unused", target="lookahead", deep_alternatives="longest", boundary="ignore"
+        ),
         tok_s, tok_s, len(tok_s), len(tok_s), torch.device("cpu"),
     )  # fmt: skip
     assert same.extensions is None and same.joins is None

@@ -200,7 +200,7 @@ def test_the_projection_has_byte_lengths_for_a_lookahead_target_under_path_only(
 
     tok_t, tok_s = real_tokenizer("mistral"), real_tokenizer("llama3")
     n_t, n_s = len(tok_t) + 3, len(tok_s) + 5  # padded embedding rows
-    base = TeacherConfig(path="unused", target="lookahead_end")
+    base = TeacherConfig(path="unused", target="lookahead_end", boundary="ignore")
     for tcfg, has in (
         (base, True),  # path is the default
         (replace(base, many_chunks="first_piece"), False),

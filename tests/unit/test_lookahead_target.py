@@ -452,7 +452,7 @@ def test_own_joins_of_a_real_tokenizer_and_the_projection_that_takes_them(real_t
         " getattr"
     )
     assert int(own.lookup(torch.tensor([one("1")]), torch.tensor([one("2")]))) == -1
-    base = TeacherConfig(path="unused", target="lookahead_end")
+    base = TeacherConfig(path="unused", target="lookahead_end", boundary="ignore")
     n_t, n_s = len(tok_t), len(tok_s)
     for tcfg, has in (
         (base, False),
