@@ -444,7 +444,7 @@ def _conditioned(term: KDTerm) -> KDTerm:
     """`term` with each KD position's top-k conditioned on what the student's token before the
     chunk rules out (`losses.boundaries`); the rows after it (lookahead) are left as they are."""
     bounds, before = term.projection.boundaries, term.before
-    if bounds is None or before is None:
+    if bounds is None or before is None or term.chunks.shape[0] == 0:
         return term
     tg = term.targets
     depth = 1 if term.lookahead is None else term.lookahead.shape[1]

@@ -285,3 +285,25 @@ def test_a_run_conditions_and_says_what_it_counted(tmp_path, tokenizer_dir, caps
     counted = re.search(r"rules out ([\d,]+) next first bytes", logs["condition"])
     assert counted and int(counted[1].replace(",", "")) > 0
     assert "next first bytes after" not in logs["ignore"]
+
+
+def test_a_term_without_chunks_passes_through():
+    """A micro-batch whose text gives a teacher no chunk (a padded validation batch) has nothing
+    to condition."""
+    from crossdistill.losses.plan import _conditioned
+
+    hidden, weight, labels, (term,) = terms_for("forward_kl", seed=4)
+    term = with_table(term, 1, seed=4)
+    tg = term.targets
+    empty = dataclasses.replace(
+        term,
+        chunks=term.chunks[:0],
+        before=term.before[:0],
+        targets=dataclasses.replace(
+            tg,
+            topk_ids=tg.topk_ids[:0],
+            topk_logprobs=tg.topk_logprobs[:0],
+            tail_logprob=tg.tail_logprob[:0],
+        ),
+    )
+    assert _conditioned(empty) is empty
