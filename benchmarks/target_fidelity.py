@@ -31,6 +31,10 @@ into the part from the bucket that holds the text's own next token against all t
 the rest: whether a target is far from that teacher on the text it saw or on the alternatives
 (`observed_split`).
 
+Under `--boundary condition` each target's table is followed by how often the student's token
+rules out some of the teacher's top-k at a KD position, and how much of the teacher's mass it
+drops there (`boundary_drops`).
+
 `--other-seeds` (a run with `--teacher-seeds N`, N ≥ 2) adds a floor: at the same KD positions,
 the loss the first same-tokenizer teacher would pay under same-tokenizer KD from that tokenizer's
 teacher of another seed (its own top-k and tail; `seed_floor`). A model of the student's own
@@ -295,6 +299,26 @@ def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dic
     }
 
 
+def boundary_drops(term: Any, rows: int) -> dict[str, np.ndarray]:
+    """Per student row `[rows]` that is a KD position (nan elsewhere): whether
+    `boundary: condition` drops any of the teacher's top-k entries there (`any`) and the
+    teacher's mass it drops (`mass`, at the targets' temperature)."""
+    bounds, before = term.projection.boundaries, term.before
+    out = {k: np.full(rows, np.nan) for k in ("any", "mass")}
+    c = term.chunks.shape[0]
+    if bounds is None or before is None or c == 0:
+        return out
+    depth = 1 if term.lookahead is None else term.lookahead.shape[1]
+    ids = term.targets.topk_ids.view(c, depth, -1)[:, 0]
+    lp = term.targets.topk_logprobs.view(c, depth, -1)[:, 0].double()
+    dropped = bounds.dropped(before[:, 0], before[:, 1], before[:, 2], ids)
+    ok = (before[:, 0] >= 0).cpu().numpy()
+    at = (term.chunks[:, 0] - 1).cpu().numpy()[ok]
+    out["any"][at] = dropped.any(-1).double().cpu().numpy()[ok]
+    out["mass"][at] = torch.where(dropped, lp.exp(), 0.0).sum(-1).cpu().numpy()[ok]
+    return out
+
+
 def add_by_class(cell: dict[str, dict[str, float]], got: dict[str, np.ndarray], row_class) -> None:
     """Adds per-row values `got` (NaN off the KD rows) into `cell`'s sums by row class."""
     for name, mask in row_class.items():
@@ -448,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         reach: dict[str, dict[str, dict[str, dict[str, float]]]] = {}
         observed: dict[str, dict[str, dict[str, float]]] = {}
         floor: dict[str, dict[str, dict[str, float]]] = {}
+        drops: dict[str, dict[str, dict[str, float]]] = {}
         ends: dict[str, dict[str, list[float]]] = {}
         for i, b in enumerate(batches):
             sb, tb = b.student, b.teachers[0]
@@ -477,6 +502,8 @@ def main(argv: list[str] | None = None) -> None:
                 for who in (w for w in stand if args.reach and w != "same_teacher"):
                     got = bucket_reach(term, labels, stand["same_teacher"], stand[who], base.top_k)
                     add_by_class(reach.setdefault(who, {}).setdefault(t, {}), got, row_class)
+                if term.projection.boundaries is not None:
+                    add_by_class(drops.setdefault(t, {}), boundary_drops(term, n), row_class)
                 if args.observed:
                     got = observed_split(term, labels, stand["same_teacher"])
                     add_by_class(observed.setdefault(t, {}), got, row_class)
@@ -507,6 +534,10 @@ def main(argv: list[str] | None = None) -> None:
         if observed:
             table.setdefault("observed", {})[label] = {
                 t: means_by_class(cells) for t, cells in observed.items()
+            }
+        if drops:
+            table.setdefault("boundary_drops", {})[label] = {
+                t: means_by_class(cells) for t, cells in drops.items()
             }
         if floor:
             table.setdefault("seed_floor", {})[label] = {
@@ -560,6 +591,14 @@ def print_table(table: dict[str, Any]) -> None:
         print(f"  {'class':28s} " + " ".join(f"{who:>10s}" for who in per_who))
         for name in next(iter(per_who.values())):
             print(f"  {name:28s} " + " ".join(f"{r[name]['nats']:10.4f}" for r in per_who.values()))
+    for label, per_t in table.get("boundary_drops", {}).items():
+        for t, per_class in per_t.items():
+            print(f"\nteacher {label}, target {t}: the KD positions where the student's token "
+                  "rules out some of the teacher's top-k, and the teacher's mass dropped there, "
+                  "per KD position")  # fmt: skip
+            print(f"  {'class':28s} {'with a drop':>12s} {'mass':>8s}")
+            for name, r in per_class.items():
+                print(f"  {name:28s} {r['any']:12.1%} {r['mass']:8.4f}")
     for label, rows in table.get("end_step", {}).items():
         print(f"\nteacher {label}, at the position after a chunk of one student token: its "
               "top-k mass the step past the end moves to a longer student token, the part of "

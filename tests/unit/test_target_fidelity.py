@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 
 import numpy as np
+import pytest
 import torch
 
 from benchmarks.target_fidelity import (
+    boundary_drops,
     bucket_reach,
     classes_by_row,
     observed_split,
@@ -205,3 +207,36 @@ def test_seed_floor_is_same_tokenizer_kd_from_the_other_seed():
         assert abs(got[r] - want) <= 1e-12 * max(1.0, want) and want > 0
     same = seed_floor(term, labels, (hidden, weight), (hidden, weight), k)
     assert np.abs(same[kd]).max() < 1e-12
+
+
+def test_boundary_drops_count_each_kd_row_as_written_out():
+    """Per KD row (a chunk's first student row less one): whether any top-k entry is dropped
+    and the teacher's mass dropped, summed by hand; NaN at rows that are no KD position."""
+    from tests.unit.test_boundaries import with_table
+    from tests.unit.test_losses_student import terms_for
+
+    _, _, labels, (term,) = terms_for("forward_kl", seed=5)
+    term = with_table(term, 1, seed=5)
+    got = boundary_drops(term, labels.shape[0])
+    b, before, tg = term.projection.boundaries, term.before, term.targets
+    seen = 0
+    for c, (s0, _, _, _) in enumerate(term.chunks.tolist()):
+        if before[c, 0] < 0:
+            continue
+        u, t, first = before[c].tolist()
+        mass = 0.0
+        for x, lp in zip(tg.topk_ids[c].tolist(), tg.topk_logprobs[c].tolist()):
+            byte = int(b.first_byte[x])
+            if x == first or byte < 0:
+                continue
+            if (
+                u * 256 + byte in b.blocked_s.tolist()
+                and t * 256 + byte not in b.blocked_t.tolist()
+            ):
+                mass += math.exp(lp)
+        assert got["mass"][s0 - 1] == pytest.approx(mass, abs=1e-12)
+        assert got["any"][s0 - 1] == float(mass > 0)
+        seen += mass > 0
+    assert seen > 0
+    kd_rows = {s0 - 1 for c, (s0, _, _, _) in enumerate(term.chunks.tolist()) if before[c, 0] >= 0}
+    assert all(np.isnan(got["mass"][r]) for r in range(labels.shape[0]) if r not in kd_rows)
