@@ -303,19 +303,17 @@ def boundary_drops(term: Any, rows: int) -> dict[str, np.ndarray]:
     """Per student row `[rows]` that is a KD position (nan elsewhere): whether
     `boundary: condition` drops any of the teacher's top-k entries there (`any`) and the
     teacher's mass it drops (`mass`, at the targets' temperature)."""
-    bounds, before = term.projection.boundaries, term.before
+    from crossdistill.losses.plan import boundary_dropped
+
     out = {k: np.full(rows, np.nan) for k in ("any", "mass")}
-    c = term.chunks.shape[0]
-    if bounds is None or before is None or c == 0:
+    read = boundary_dropped(term)
+    if read is None:
         return out
-    depth = 1 if term.lookahead is None else term.lookahead.shape[1]
-    ids = term.targets.topk_ids.view(c, depth, -1)[:, 0]
-    lp = term.targets.topk_logprobs.view(c, depth, -1)[:, 0].double()
-    dropped = bounds.dropped(before[:, 0], before[:, 1], before[:, 2], ids)
-    ok = (before[:, 0] >= 0).cpu().numpy()
+    _, lp, _, dropped = read
+    ok = (term.before[:, 0] >= 0).cpu().numpy()
     at = (term.chunks[:, 0] - 1).cpu().numpy()[ok]
     out["any"][at] = dropped.any(-1).double().cpu().numpy()[ok]
-    out["mass"][at] = torch.where(dropped, lp.exp(), 0.0).sum(-1).cpu().numpy()[ok]
+    out["mass"][at] = torch.where(dropped, lp[:, 0].double().exp(), 0.0).sum(-1).cpu().numpy()[ok]
     return out
 
 

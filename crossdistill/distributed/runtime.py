@@ -406,13 +406,13 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device, ids_s
     first_t = ahead = before = None
     kind = target_kind(slot.cfg.target)
     chunks = _to(tb.chunks, device)
+    flat_t = _to(tb.input_ids, device).view(-1)
     if kind.context and not tb.same_as_student:
-        first_t = _to(tb.input_ids, device).view(-1)[chunks[:, 2]]
+        first_t = flat_t[chunks[:, 2]]
     depth = target_depth(slot.cfg.target, tb.same_as_student)
     if depth > 1:
-        ahead = chunk_tokens(_to(tb.input_ids, device).view(-1), chunks, depth)
+        ahead = chunk_tokens(flat_t, chunks, depth)
     if slot.projection.boundaries is not None and not tb.same_as_student:
-        flat_t = _to(tb.input_ids, device).view(-1)
         before = tokens_before(chunks, _to(ids_s, device).view(-1), flat_t)
     return KDTerm(
         targets=targets,

@@ -440,19 +440,30 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
     )
 
 
-def _conditioned(term: KDTerm) -> KDTerm:
-    """`term` with each KD position's top-k conditioned on what the student's token before the
-    chunk rules out (`losses.boundaries`); the rows after it (lookahead) are left as they are."""
+def boundary_dropped(term: KDTerm) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """`[C, D, K]` top-k ids and log-probs and `[C, D]` tails of `term`'s targets (D rows per
+    chunk, the KD position's first), and `[C, K]` the KD positions' entries that the student's
+    token before each chunk rules out (`losses.boundaries`); None without a table or chunks."""
     bounds, before = term.projection.boundaries, term.before
-    if bounds is None or before is None or term.chunks.shape[0] == 0:
-        return term
+    c = term.chunks.shape[0]
+    if bounds is None or before is None or c == 0:
+        return None
     tg = term.targets
     depth = 1 if term.lookahead is None else term.lookahead.shape[1]
-    c = term.chunks.shape[0]
     ids = tg.topk_ids.view(c, depth, -1)
     lp = tg.topk_logprobs.view(c, depth, -1)
     tail = tg.tail_logprob.view(c, depth)
-    dropped = bounds.dropped(before[:, 0], before[:, 1], before[:, 2], ids[:, 0])
+    return ids, lp, tail, bounds.dropped(before[:, 0], before[:, 1], before[:, 2], ids[:, 0])
+
+
+def _conditioned(term: KDTerm) -> KDTerm:
+    """`term` with each KD position's top-k conditioned on what the student's token before the
+    chunk rules out (`losses.boundaries`); the rows after it (lookahead) are left as they are."""
+    read = boundary_dropped(term)
+    if read is None:
+        return term
+    ids, lp, tail, dropped = read
+    tg = term.targets
     ids0, lp0, tail0 = condition(ids[:, 0], lp[:, 0], tail[:, 0], dropped)
     ids = torch.cat([ids0.to(ids.dtype).unsqueeze(1), ids[:, 1:]], 1)
     lp = torch.cat([lp0.unsqueeze(1), lp[:, 1:]], 1)

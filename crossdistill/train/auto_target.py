@@ -76,17 +76,24 @@ def first_piece_kinds(
     }
 
 
+def encoded_sample(tok_s: Any, tok_t: Any, texts: list[str]) -> tuple[Any, list, list]:
+    """(the data pipeline, with both byte tables, student ids, teacher ids) of `texts`, encoded
+    as training encodes a document."""
+    from crossdistill.data.aligned import Pipeline
+    from crossdistill.data.encoders import TokenizerSide
+
+    pipe = Pipeline(TokenizerSide(tok_s, fast=False), TokenizerSide(tok_t, fast=False))
+    return (pipe, *pipe.encode(texts))
+
+
 def aligned_sample(
     tok_s: Any, tok_t: Any, texts: list[str]
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Per text: (student ids, teacher ids, chunks `[n, 4]`), encoded and aligned as training
     encodes and aligns a document."""
     from crossdistill.alignment import align_batch
-    from crossdistill.data.aligned import Pipeline
-    from crossdistill.data.encoders import TokenizerSide
 
-    pipe = Pipeline(TokenizerSide(tok_s, fast=False), TokenizerSide(tok_t, fast=False))
-    ids_s, ids_t = pipe.encode(texts)
+    pipe, ids_s, ids_t = encoded_sample(tok_s, tok_t, texts)
     for a, s, t in zip(align_batch(ids_s, ids_t, pipe.bytes_s, pipe.bytes_t), ids_s, ids_t):
         yield np.asarray(s), np.asarray(t), a.chunks
 

@@ -33,7 +33,7 @@ MIN_COUNT = 100
 EXPECTED_COUNT = 10.0
 
 
-def first_bytes(table: Any, rows: int) -> np.ndarray:
+def first_byte_of_ids(table: Any, rows: int) -> np.ndarray:
     """`[rows]` int64: the first byte of each id of the `TokenBytes` `table`, −1 for an id that
     covers no text and for rows past the vocabulary."""
     out = np.full(rows, -1, dtype=np.int64)
@@ -78,13 +78,12 @@ def build_boundaries(tok_s: Any, tok_t: Any, texts: list[str], rows_s: int, rows
     training encodes a document, for models of `rows_s` and `rows_t` embedding rows."""
     import torch
 
-    from crossdistill.data.aligned import Pipeline
-    from crossdistill.data.encoders import TokenizerSide
     from crossdistill.losses.boundaries import Boundaries
+    from crossdistill.train.auto_target import encoded_sample
 
-    pipe = Pipeline(TokenizerSide(tok_s, fast=False), TokenizerSide(tok_t, fast=False))
-    ids_s, ids_t = pipe.encode(texts)
-    first_s, first_t = first_bytes(pipe.bytes_s, rows_s), first_bytes(pipe.bytes_t, rows_t)
+    pipe, ids_s, ids_t = encoded_sample(tok_s, tok_t, texts)
+    first_s = first_byte_of_ids(pipe.bytes_s, rows_s)
+    first_t = first_byte_of_ids(pipe.bytes_t, rows_t)
     (blocked_s, seen_s), (blocked_t, _) = blocked_keys(ids_s, first_s), blocked_keys(ids_t, first_t)
     out = Boundaries(
         torch.from_numpy(first_t), torch.from_numpy(blocked_s), torch.from_numpy(blocked_t)

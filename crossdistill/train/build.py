@@ -136,16 +136,10 @@ def build_projection_for(
 def _boundaries(tcfg: TeacherConfig, tok_s, tok_t, data: DataConfig | None, rows_s, rows_t):
     """`boundary: condition`'s table (`train.boundaries`), counted on a sample of the training
     text, and a line saying what the count blocked."""
-    from crossdistill.data.build import sample_texts
     from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS, build_boundaries
 
-    if data is None:
-        raise UserError(
-            f"teacher {tcfg.name!r}: boundary: condition counts what the student's tokens rule "
-            "out on the training text: build the projection with the run's data settings "
-            "(build_projection_for(..., data=cfg.data))"
-        )
-    texts = sample_texts(data, SAMPLE_BYTES, rows_per_file=SAMPLE_ROWS)
+    what = f"teacher {tcfg.name!r}: boundary: condition counts what the student's tokens rule out"
+    texts = _training_sample(data, what, SAMPLE_BYTES, SAMPLE_ROWS)
     table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t)
     return table, f"teacher {tcfg.name!r}: {line}"
 
@@ -172,22 +166,31 @@ def _short_share(
     """`lookahead_split`'s share `[rows_t]` of each teacher token's mass for its exact student
     token (`train.short_share`), counted on a sample of the training text, and a line saying
     what the count saw."""
-    from crossdistill.data.build import sample_texts
     from crossdistill.train.auto_target import SAMPLE_BYTES
     from crossdistill.train.short_share import boundary_counts, describe_counts, short_shares
 
-    if data is None:
-        raise UserError(
-            "target lookahead_split counts its shares on the training text: build the "
-            "projection with the run's data settings (build_projection_for(..., data=cfg.data))"
-        )
     spelled = torch.where(proj.exact, proj.first_piece, -1).cpu().numpy()
-    texts = sample_texts(data, SAMPLE_BYTES)
+    texts = _training_sample(data, "target lookahead_split counts its shares", SAMPLE_BYTES)
     short, longer = boundary_counts(tok_s, tok_t, texts, spelled, first_t.numpy())
     sampled = sum(len(t.encode()) for t in texts)
     return torch.from_numpy(short_shares(short, longer, tcfg.split_prior)), describe_counts(
         tcfg.name, short, longer, sampled
     )
+
+
+def _training_sample(
+    data: DataConfig | None, what: str, num_bytes: int, rows_per_file: int = 256
+) -> list[str]:
+    """`data.build.sample_texts` of the training text, for a setting that counts on it (`what`
+    says which, for the error when the projection is built without the data settings)."""
+    from crossdistill.data.build import sample_texts
+
+    if data is None:
+        raise UserError(
+            f"{what} on the training text: build the projection with the run's data settings "
+            "(build_projection_for(..., data=cfg.data))"
+        )
+    return sample_texts(data, num_bytes, rows_per_file=rows_per_file)
 
 
 def _padded_ids(first: torch.Tensor, rows: int, limit: int) -> torch.Tensor:
