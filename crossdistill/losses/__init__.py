@@ -50,8 +50,10 @@ from crossdistill.losses.projection import (
 from crossdistill.losses.target_kinds import (
     LOOKAHEAD_DEPTH,
     TARGET_KINDS,
+    RowLayout,
     TargetKind,
     reads_past_end,
+    row_layout,
     target_depth,
     target_kind,
 )
@@ -75,6 +77,7 @@ __all__ = [
     "Joins",
     "PrefixGroups",
     "KDTerm",
+    "RowLayout",
     "TargetKind",
     "TeacherTargets",
     "VocabProjection",
@@ -93,6 +96,7 @@ __all__ = [
     "project_topk",
     "reads_past_end",
     "reverse_kl",
+    "row_layout",
     "skew_kl",
     "student_loss",
     "target_depth",

@@ -104,7 +104,7 @@ def build_projection_for(
     if tcfg.loss == "hkl":
         matched = torch.from_numpy(relaxed_matches(tok_t, tok_s, proj))
         out.matched = _padded_ids(matched, rows_t, rows_s).to(device)
-    if kind.lookahead:
+    if kind.lookahead or tcfg.boundary == "marginal":  # `marginal` reads them too
         from crossdistill.alignment.projection import build_joins
 
         rows = torch.from_numpy(build_joins(tok_t, tok_s)).to(device)
@@ -125,7 +125,7 @@ def build_projection_for(
         out.byte_lengths = ByteLengths(
             _byte_lengths(tok_t, rows_t).to(device), _byte_lengths(tok_s, rows_s).to(device)
         )
-    if tcfg.boundary == "condition":
+    if tcfg.boundary in ("condition", "marginal"):
         out.boundaries, counted = _boundaries(tcfg, tok_s, tok_t, data, rows_s, rows_t)
         out.boundaries = out.boundaries.to(device)
         if notes is not None:
@@ -134,13 +134,14 @@ def build_projection_for(
 
 
 def _boundaries(tcfg: TeacherConfig, tok_s, tok_t, data: DataConfig | None, rows_s, rows_t):
-    """`boundary: condition`'s table (`train.boundaries`), counted on a sample of the training
+    """`boundary: condition`'s (or `marginal`'s) table (`train.boundaries`), counted on a sample of the training
     text, and a line saying what the count blocked."""
     from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS, build_boundaries
 
-    what = f"teacher {tcfg.name!r}: boundary: condition counts what the student's tokens rule out"
+    what = f"teacher {tcfg.name!r}: boundary: {tcfg.boundary} counts what the student's tokens rule out"
     texts = _training_sample(data, what, SAMPLE_BYTES, SAMPLE_ROWS)
-    table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t)
+    marginal = tcfg.boundary == "marginal"
+    table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t, marginal)
     return table, f"teacher {tcfg.name!r}: {line}"
 
 
@@ -331,7 +332,15 @@ def target_streams(run: RunPlan, cfg: Config, env: DistEnv, data_rank: int) -> l
         timeout = cfg.train.teacher_timeout_s
         out.append(
             TargetStream(
-                env.link, t.name, source, top_k, t.payload, t.temperature, timeout, t.target
+                env.link,
+                t.name,
+                source,
+                top_k,
+                t.payload,
+                t.temperature,
+                timeout,
+                t.target,
+                t.boundary,
             )
         )
     return out
