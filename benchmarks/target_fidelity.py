@@ -4,7 +4,7 @@ buckets) that a student would pay if it were the run's same-tokenizer teacher, s
 of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
-        [--past-end all --past-end canonical] [--boundary ignore --boundary condition --boundary marginal] \
+        [--past-end all --past-end canonical] [--boundary ignore --boundary condition] \
         [--student RUN ...] [--reach] [--observed] [--other-seeds] [--json FILE] [--device cpu]
 
 OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
@@ -31,10 +31,9 @@ into the part from the bucket that holds the text's own next token against all t
 the rest: whether a target is far from that teacher on the text it saw or on the alternatives
 (`observed_split`).
 
-Under `--boundary condition` (or `marginal`) each target's table is followed by how often the
-student's token rules out some of the teacher's top-k at a KD position, and how much of the
-teacher's mass it drops there; under `marginal`, also the share of the KD row's mass taken in
-from the teacher's continuations past its token before the chunk (`boundary_drops`).
+Under `--boundary condition` each target's table is followed by how often the student's token
+rules out some of the teacher's top-k at a KD position, and how much of the teacher's mass it
+drops there (`boundary_drops`).
 
 `--other-seeds` (a run with `--teacher-seeds N`, N ≥ 2) adds a floor: at the same KD positions,
 the loss the first same-tokenizer teacher would pay under same-tokenizer KD from that tokenizer's
@@ -120,15 +119,15 @@ def term_of(tcfg: Any, projection: Any, tb: Any, hidden_t, head_t, device, ids_s
     """Teacher `tcfg`'s KD term on batch side `tb` (student inputs `ids_s`), as a training step
     builds it."""
     from crossdistill.distributed.runtime import make_term
-    from crossdistill.losses.target_kinds import row_layout
+    from crossdistill.losses.target_kinds import reads_past_end, target_depth
     from crossdistill.losses.targets import target_rows, teacher_targets
 
-    lay = row_layout(tcfg.target, tcfg.boundary, False)
-    rows = target_rows(tb.chunks.to(device), lay.depth, lay.past_end, lay.prior)
+    depth = target_depth(tcfg.target, False)
+    rows = target_rows(tb.chunks.to(device), depth, reads_past_end(tcfg.target, False))
     targets = teacher_targets(
         hidden_t, head_t, rows, tb.labels.to(device).flatten(), tcfg.top_k, tcfg.temperature
     )
-    targets.depth = lay.per_chunk
+    targets.depth = depth
     slot = SimpleNamespace(cfg=tcfg, projection=projection)
     term = make_term(slot, tb, targets, device, ids_s)
     term.denominator = torch.ones((), device=device)
@@ -303,12 +302,10 @@ def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dic
 def boundary_drops(term: Any, rows: int) -> dict[str, np.ndarray]:
     """Per student row `[rows]` that is a KD position (nan elsewhere): whether
     `boundary: condition` drops any of the teacher's top-k entries there (`any`) and the
-    teacher's mass it drops (`mass`, at the targets' temperature); under `marginal`, the share of
-    the KD row's mass taken in from the teacher's continuations past its token before the chunk
-    (`added`, 0 under `condition`), before the drop."""
-    from crossdistill.losses.plan import boundary_dropped, marginal_inputs
+    teacher's mass it drops (`mass`, at the targets' temperature)."""
+    from crossdistill.losses.plan import boundary_dropped
 
-    out = {k: np.full(rows, np.nan) for k in ("any", "mass", "added")}
+    out = {k: np.full(rows, np.nan) for k in ("any", "mass")}
     read = boundary_dropped(term)
     if read is None:
         return out
@@ -317,16 +314,6 @@ def boundary_drops(term: Any, rows: int) -> dict[str, np.ndarray]:
     at = (term.chunks[:, 0] - 1).cpu().numpy()[ok]
     out["any"][at] = dropped.any(-1).double().cpu().numpy()[ok]
     out["mass"][at] = torch.where(dropped, lp[:, 0].double().exp(), 0.0).sum(-1).cpu().numpy()[ok]
-    added = torch.zeros(term.chunks.shape[0], dtype=torch.float64)
-    if term.prior:
-        c, tg = term.chunks.shape[0], term.targets
-        prior = tg.topk_ids.view(c, -1, tg.topk_ids.shape[-1])[:, -1]
-        prior_lp = tg.topk_logprobs.view(c, -1, tg.topk_ids.shape[-1])[:, -1].double()
-        ext, prior_lp, before_lp = marginal_inputs(term, prior, prior_lp)
-        e = torch.where(ext >= 0, prior_lp, float("-inf")).logsumexp(-1)
-        share = 1 - (before_lp - torch.logaddexp(before_lp, e)).exp()
-        added = torch.where((e > float("-inf")) & (before_lp > float("-inf")), share, 0.0).cpu()
-    out["added"][at] = added.numpy()[ok]
     return out
 
 
@@ -364,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deep-alternatives", action="append", choices=["join", "longest"],
                     help="teachers.N.deep_alternatives of the lookahead targets (repeatable: one "
                     "column each; default join)")  # fmt: skip
-    ap.add_argument("--boundary", action="append", choices=["ignore", "condition", "marginal"],
+    ap.add_argument("--boundary", action="append", choices=["ignore", "condition"],
                     help="teachers.N.boundary of every target (repeatable: one column each; "
                     "default: the config's)")  # fmt: skip
     ap.add_argument("--json", type=Path)
@@ -607,9 +594,9 @@ def print_table(table: dict[str, Any]) -> None:
             print(f"\nteacher {label}, target {t}: the KD positions where the student's token "
                   "rules out some of the teacher's top-k, and the teacher's mass dropped there, "
                   "per KD position")  # fmt: skip
-            print(f"  {'class':28s} {'with a drop':>12s} {'mass':>8s} {'taken in':>9s}")
+            print(f"  {'class':28s} {'with a drop':>12s} {'mass':>8s}")
             for name, r in per_class.items():
-                print(f"  {name:28s} {r['any']:12.1%} {r['mass']:8.4f} {r['added']:9.4f}")
+                print(f"  {name:28s} {r['any']:12.1%} {r['mass']:8.4f}")
     for label, rows in table.get("end_step", {}).items():
         print(f"\nteacher {label}, at the position after a chunk of one student token: its "
               "top-k mass the step past the end moves to a longer student token, the part of "

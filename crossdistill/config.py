@@ -69,7 +69,7 @@ DeepAlternatives = Literal["join", "longest"]
 SplitPrior = Literal["boundaries", "tokens"]
 # what a KD position's target does with the next bytes the student's last token rules out
 # (`TeacherConfig.boundary`)
-Boundary = Literal["ignore", "condition", "marginal"]
+Boundary = Literal["ignore", "condition"]
 # the CE weight of a student token that no teacher gives a KD target (`TrainConfig.ce_without_kd`)
 CEWithoutKD = Literal["ratio", "full"]
 # how teacher targets are stored (a cache) or sent (a separate teacher): "int8" top-k log-probs
@@ -220,10 +220,7 @@ class TeacherConfig(ModelConfig):
     # as it is, as runs did before 2026-12-06. On the far pair it closed more of the gap on
     # every corpus compared, and on the near pair it changed nothing beyond the seeds' spread
     # (benchmarks/README.md, "What the student's token boundary rules out"). With identical
-    # tokenizers nothing is dropped. "marginal" first gives the KD position what the teacher's
-    # own last token rules out: the continuations past that token that the row before it gave
-    # (after the teacher's `ENT` an `R` never comes, as it writes `ENTRY` as one token; after the
-    # student's `ENT` it may), then conditions as "condition" does
+    # tokenizers nothing is dropped
     boundary: Boundary = "condition"
     offload: bool = False  # keep on CPU between steps (small GPUs)
     # a teacher cache folder (`crossdistill cache build`): targets read from it, no model runs

@@ -222,10 +222,8 @@ def _cached(
         )
     next_lp = np.zeros(flat_labels.shape, dtype=np.float32)
     next_lp[valid] = docs.next_logprobs[rows_valid]
-    depth, past_end, prior = (
-        (cache.depth, cache.past_end, cache.prior) if slot >= 0 else (1, False, False)
-    )
-    at = target_rows(torch.from_numpy(chunks.reshape(-1, 4)), depth, past_end, prior).numpy()
+    depth, past_end = (cache.depth, cache.past_end) if slot >= 0 else (1, False)
+    at = target_rows(torch.from_numpy(chunks.reshape(-1, 4)), depth, past_end).numpy()
     kd = np.where(at >= 0, src[at.clip(min=0)], -1)
     k = cache.top_k
     if docs.topk_ids is None:

@@ -432,15 +432,13 @@ class CachedTeacher:
     """A configured teacher that reads its targets from a cache: the reader, the top-k its
     loss uses (at most the cache's), its name for messages, and the top-k rows per chunk its
     target reads where its tokenizer is not the student's (`losses.target_rows`: `depth`
-    rows, with `past_end` the row after the chunk, with `prior` the row before its KD row; the
-    cache holds every position's)."""
+    rows, and with `past_end` the row after the chunk; the cache holds every position's)."""
 
     reader: CacheReader
     top_k: int
     name: str
     depth: int = 1
     past_end: bool = False
-    prior: bool = False
 
     @property
     def temperature(self) -> float:

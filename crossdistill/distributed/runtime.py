@@ -38,11 +38,11 @@ from crossdistill.distributed.streams import TargetStream
 from crossdistill.distributed.vocab import local_vocab
 from crossdistill.losses import (
     KDTerm,
-    RowLayout,
     TeacherTargets,
     VocabProjection,
     chunk_tokens,
-    row_layout,
+    reads_past_end,
+    target_depth,
     target_kind,
     target_rows,
     teacher_targets,
@@ -202,16 +202,14 @@ class Placement:
             return TeacherTargets(
                 **{f: getattr(cached, f).to(self.device, non_blocking=True) for f in _FIELDS},
                 temperature=cached.temperature,
-                depth=_layout(slot, tb).per_chunk,
+                depth=target_depth(slot.cfg.target, tb.same_as_student),
             )
         group, owners = self.sources[k]
         ids, pos = _to(tb.input_ids, self.device), _to(tb.position_ids, self.device)
         labels = _to(tb.labels, self.device).flatten()
-        layout = _layout(slot, tb)
-        depth = layout.per_chunk
-        kd_rows = target_rows(
-            _to(tb.chunks, self.device), layout.depth, layout.past_end, layout.prior
-        )
+        depth = target_depth(slot.cfg.target, tb.same_as_student)
+        past_end = reads_past_end(slot.cfg.target, tb.same_as_student)
+        kd_rows = target_rows(_to(tb.chunks, self.device), depth, past_end)
         if len(set(owners)) > 1:  # the teacher's group reads several ranks' data: run them all
             with record_function(EXCHANGE_INPUTS):
                 joint = _gather_inputs(ids, pos, labels.view(ids.shape), kd_rows, group, owners)
@@ -401,11 +399,6 @@ def shard_kwargs(rows: Any, vocab: Any) -> dict[str, Any]:
     return out
 
 
-def _layout(slot: TeacherSlot, tb: Any) -> RowLayout:
-    """The teacher rows per chunk that teacher `slot`'s targets hold on micro-batch `tb`."""
-    return row_layout(slot.cfg.target, slot.cfg.boundary, tb.same_as_student)
-
-
 def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device, ids_s: Tensor) -> KDTerm:
     """Teacher `slot`'s KD term on micro-batch `tb`, whose student inputs are `ids_s` (its
     denominator and weight are set by the caller, from the whole global batch)."""
@@ -416,9 +409,9 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device, ids_s
     flat_t = _to(tb.input_ids, device).view(-1)
     if kind.context and not tb.same_as_student:
         first_t = flat_t[chunks[:, 2]]
-    layout = _layout(slot, tb)
-    if layout.depth > 1:
-        ahead = chunk_tokens(flat_t, chunks, layout.depth)
+    depth = target_depth(slot.cfg.target, tb.same_as_student)
+    if depth > 1:
+        ahead = chunk_tokens(flat_t, chunks, depth)
     if slot.projection.boundaries is not None and not tb.same_as_student:
         before = tokens_before(chunks, _to(ids_s, device).view(-1), flat_t)
     return KDTerm(
@@ -433,11 +426,10 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device, ids_s
         name=slot.cfg.name,
         first_t=first_t,
         lookahead=ahead,
-        past_end=layout.past_end,
+        past_end=reads_past_end(slot.cfg.target, tb.same_as_student),
         longer_only=kind.longer_only,
         mix=kind.mix,
         before=before,
-        prior=layout.prior,
     )
 
 

@@ -53,7 +53,7 @@ from crossdistill.distributed.layout import (
     wants_cuda,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import TeacherTargets, row_layout
+from crossdistill.losses import TeacherTargets, target_depth
 from crossdistill.losses.payload import (
     batch_id,
     pack_targets,
@@ -373,14 +373,13 @@ class TargetStream:
     quantization: Quantization
     temperature: float
     timeout_s: float
-    target: str = "first_piece"  # the teacher's `target` and `boundary` (top-k rows per chunk)
-    boundary: str = "condition"
+    target: str = "first_piece"  # the teacher's `target` (how many top-k rows per chunk)
     seq: int = 0
     wait_s: float = 0.0  # host time spent waiting for targets
 
     def receive(self, tb: Any) -> TeacherTargets:
         """Targets of teacher batch `tb` (this rank's next micro-batch)."""
-        depth = row_layout(self.target, self.boundary, tb.same_as_student).per_chunk
+        depth = target_depth(self.target, tb.same_as_student)
         m, n = payload_sizes(tb, depth)
         expected = batch_id(self.seq, tb.input_ids, tb.labels)
         who = f"teacher {self.name!r} (rank {self.source} of the job), batch {self.seq}"

@@ -50,10 +50,8 @@ from crossdistill.losses.projection import (
 from crossdistill.losses.target_kinds import (
     LOOKAHEAD_DEPTH,
     TARGET_KINDS,
-    RowLayout,
     TargetKind,
     reads_past_end,
-    row_layout,
     target_depth,
     target_kind,
 )
@@ -77,7 +75,6 @@ __all__ = [
     "Joins",
     "PrefixGroups",
     "KDTerm",
-    "RowLayout",
     "TargetKind",
     "TeacherTargets",
     "VocabProjection",
@@ -96,7 +93,6 @@ __all__ = [
     "project_topk",
     "reads_past_end",
     "reverse_kl",
-    "row_layout",
     "skew_kl",
     "student_loss",
     "target_depth",

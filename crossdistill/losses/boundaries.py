@@ -23,24 +23,6 @@ divided by what is left: Bayes' rule for "the next byte is not a blocked one". T
 KD position that the lookahead targets read (inside the chunk, and one past its end) are read as
 they are: the step past the end asks exactly whether the text goes on with a longer student
 token.
-
-`teachers.N.boundary: marginal` also undoes what the teacher's own boundary says. The teacher's
-row at a KD position is its distribution given that its last token t ended there; the student's
-context does not say that. Where the text goes on with bytes that t would have swallowed (the
-teacher writes `ENTRY` as one token, so after its token `ENT` an `R` never comes, while after the
-student's `ENT` it may), the teacher's row has nothing for them. They are in the teacher's row
-before t, the one that predicted t: each of its top-k entries v that spells t and then more is
-the text going on past the KD position without a teacher boundary there. With a the probability
-of t in that row and e_v those of such v, the teacher's distribution of the text after the KD
-position, given the bytes and not its boundary, is the KD row times a / (a + Σ e_v) plus each
-v's remainder at e_v / (a + Σ e_v); a remainder enters the row as the teacher token that starts
-it (`extend_ids`), added to that token's entry when the row has one. Other ways the teacher
-could have written the bytes of t (over several shorter tokens) are left out. What the
-student's token u rules out is left out of the continuations before they are weighed: a
-remainder whose first byte is blocked after u, and one that the student would have written
-together with u (a student token spells u then the remainder's first teacher token: after the
-student's `G` the text does not go on as `GET`, which the student writes as one token). The
-student's condition then applies to the row as under `condition`.
 """
 
 from __future__ import annotations
@@ -55,41 +37,21 @@ NEG_INF = float("-inf")
 # a row keeps its teacher distribution as it is where less than this is left once the blocked
 # entries are dropped (division by nearly nothing)
 MIN_KEPT = 1e-6
-# `marginal`: the most continuations past the teacher's token that enter a KD row; the row before
-# gives the rest, if any, to the tail
-MAX_EXTENSIONS = 8
 
 
 @dataclass
 class Boundaries:
     """`first_byte [V_t]` the first text byte of each teacher id (−1: none, a special token);
     `blocked_s [B_s]` sorted keys `u·256 + b`: student token u is never followed by a token whose
-    first byte is b; `blocked_t [B_t]` the same over the teacher's tokenizer (`t·256 + b`).
-    `marginal`: `extend_keys [E]` sorted keys `t·V_t + v` (V_t = `first_byte`'s length) of the
-    teacher ids v that spell teacher id t and then more, and `extend_ids [E]` the teacher id
-    that starts each one's remainder; None under `condition`."""
+    first byte is b; `blocked_t [B_t]` the same over the teacher's tokenizer (`t·256 + b`)."""
 
     first_byte: Tensor
     blocked_s: Tensor
     blocked_t: Tensor
-    extend_keys: Tensor | None = None
-    extend_ids: Tensor | None = None
-
-    @property
-    def marginal(self) -> bool:
-        """Whether the KD rows take in the teacher's continuations past its token (`marginal`)."""
-        return self.extend_keys is not None
 
     def to(self, device: torch.device | str) -> Boundaries:
-        def move(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t.to(device)
-
         return Boundaries(
-            self.first_byte.to(device),
-            self.blocked_s.to(device),
-            self.blocked_t.to(device),
-            move(self.extend_keys),
-            move(self.extend_ids),
+            self.first_byte.to(device), self.blocked_s.to(device), self.blocked_t.to(device)
         )
 
     def dropped(self, before_s: Tensor, before_t: Tensor, first_t: Tensor, ids: Tensor) -> Tensor:
@@ -99,30 +61,10 @@ class Boundaries:
         ids = ids.long()
         b = self.first_byte[ids.clamp(min=0)]
         ok = (ids >= 0) & (b >= 0) & (ids != first_t.long().unsqueeze(-1))
-        after_s = self.blocked_after(before_s, ids)
+        after_s = _has(self.blocked_s, before_s.long().unsqueeze(-1) * 256 + b)
         after_t = _has(self.blocked_t, before_t.long().unsqueeze(-1) * 256 + b)
         known = ((before_s >= 0) & (before_t >= 0)).unsqueeze(-1)
         return ok & known & after_s & ~after_t
-
-    def blocked_after(self, before_s: Tensor, ids: Tensor) -> Tensor:
-        """`[C, K]` bool: whether the first byte of teacher id `ids [C, K]` is blocked after
-        the student's token `before_s [C]`."""
-        b = self.first_byte[ids.long().clamp(min=0)]
-        return _has(self.blocked_s, before_s.long().unsqueeze(-1) * 256 + b) & (b >= 0)
-
-    def extension_ids(self, before_t: Tensor, ids: Tensor) -> Tensor:
-        """`[C, K]` for the entries `ids [C, K]` of the row that predicted the teacher's token
-        `before_t [C]`: the teacher id that starts what an entry spells past that token, where it
-        spells the token and then more; −1 elsewhere."""
-        assert self.extend_keys is not None and self.extend_ids is not None
-        ids = ids.long()
-        if self.extend_keys.numel() == 0:
-            return torch.full_like(ids, -1)
-        query = before_t.long().unsqueeze(-1) * self.first_byte.shape[0] + ids
-        query = torch.where((ids >= 0) & (before_t >= 0).unsqueeze(-1), query, -1)
-        at = torch.searchsorted(self.extend_keys, query.clamp(min=0))
-        at = at.clamp(max=self.extend_keys.numel() - 1)
-        return torch.where(_has(self.extend_keys, query), self.extend_ids[at].long(), -1)
 
 
 def _has(keys: Tensor, query: Tensor) -> Tensor:
@@ -157,70 +99,6 @@ def condition(
     ids, lp = topk_ids.gather(-1, order), lp.gather(-1, order)
     ids = torch.where(drop.gather(-1, order), ids[:, :1], ids)
     return ids, lp, tail
-
-
-def marginalise(
-    topk_ids: Tensor,
-    topk_logprobs: Tensor,
-    tail_logprob: Tensor,
-    extension: Tensor,
-    prior_logprobs: Tensor,
-    before_logprob: Tensor,
-    first_t: Tensor,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """KD rows `[C, K]` (ids, log-probs) and tails `[C]` that take in the teacher's
-    continuations past its token before the chunk (module docstring, `marginal`): `extension
-    [C, K]` the teacher id that starts each continuation of the row before, −1 for an entry that
-    is none (`Boundaries.extension_ids`); `prior_logprobs [C, K]` that row's log-probs;
-    `before_logprob [C]` the log-prob there of the token before the chunk (−inf: unknown, the
-    row is left as it is). The `MAX_EXTENSIONS` largest continuations enter the row, each added
-    to the entry of its id where the row has one, else in a slot of its own; the smallest
-    entries that no longer fit in K go to the tail, never the chunk's own first teacher token
-    `first_t [C]`. Rows come back sorted by descending probability; a row with no continuation
-    comes back as it was."""
-    c, k = topk_ids.shape
-    m = min(MAX_EXTENSIONS, k)
-    ext = torch.where(extension >= 0, prior_logprobs, NEG_INF)
-    e_all = ext.logsumexp(-1)
-    e_top, at = ext.topk(m, dim=-1)
-    e_ids = extension.gather(-1, at).long()
-    # what the continuations past the `m` largest hold goes to the tail
-    rest = e_all + torch.log1p(-(e_top.logsumexp(-1) - e_all).exp().clamp(max=1.0))
-    use = (e_all > NEG_INF) & (before_logprob > NEG_INF)
-    z = torch.logaddexp(before_logprob, e_all)
-    scale = torch.where(use, before_logprob - z, 0.0).unsqueeze(-1)
-    lp, tail = topk_logprobs + scale, tail_logprob + scale.squeeze(-1)
-    e_top = torch.where(e_top > NEG_INF, e_top - z.unsqueeze(-1), NEG_INF)
-    # continuations with the same id add up in the first of them
-    same = e_ids.unsqueeze(-1) == e_ids.unsqueeze(-2)  # [C, m, m]
-    owner = same.int().argmax(-1)  # the first continuation with each one's id
-    mine = owner.unsqueeze(-2) == torch.arange(m, device=lp.device).view(1, m, 1)
-    e_top = torch.where(mine, e_top.unsqueeze(-2), NEG_INF).logsumexp(-1)
-    # ... and into the row's entry of that id
-    ids = topk_ids.long()
-    match = (e_ids.unsqueeze(-1) == ids.unsqueeze(-2)) & (lp.unsqueeze(-2) > NEG_INF)
-    lp = torch.logaddexp(lp, torch.where(match, e_top.unsqueeze(-1), NEG_INF).logsumexp(-2))
-    e_top = torch.where(match.any(-1), NEG_INF, e_top)
-    e_ids = torch.where(e_top > NEG_INF, e_ids, ids[:, :1])
-    # the K most likely of both, the text's own token kept; the rest to the tail
-    all_lp, all_ids = torch.cat([lp, e_top], -1), torch.cat([ids, e_ids], -1)
-    own = all_ids == first_t.long().unsqueeze(-1)
-    key = torch.where(own & (all_lp > NEG_INF), math.inf, all_lp)
-    keep = key.topk(k, dim=-1).indices
-    gone = torch.ones_like(all_lp, dtype=torch.bool).scatter_(-1, keep, False)
-    rest = torch.where(e_all > NEG_INF, rest - z, NEG_INF)
-    out_tail = torch.stack(
-        [tail, rest, torch.where(gone, all_lp, NEG_INF).logsumexp(-1)], -1
-    ).logsumexp(-1)
-    kept_lp, kept_ids = all_lp.gather(-1, keep), all_ids.gather(-1, keep)
-    order = kept_lp.sort(dim=-1, descending=True, stable=True).indices
-    kept_lp, kept_ids = kept_lp.gather(-1, order), kept_ids.gather(-1, order)
-    u = use.unsqueeze(-1)
-    return (
-        torch.where(u, kept_ids, ids).to(topk_ids.dtype),
-        torch.where(u, kept_lp, topk_logprobs),
-        torch.where(use, out_tail, tail_logprob),
-    )
 
 
 def tokens_before(chunks: Tensor, ids_s: Tensor, ids_t: Tensor) -> Tensor:

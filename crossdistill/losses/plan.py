@@ -19,7 +19,7 @@ from torch import Tensor
 from crossdistill.config import DISTRIBUTION_LOSSES, LOSSES, CEWithoutKD
 from crossdistill.errors import UserError
 from crossdistill.losses import divergences as div
-from crossdistill.losses.boundaries import condition, marginalise
+from crossdistill.losses.boundaries import condition
 from crossdistill.losses.lookahead import project_lookahead
 from crossdistill.losses.projection import (
     Buckets,
@@ -62,9 +62,7 @@ class KDTerm:
     student token. `before [C, 3]` (`boundary: condition`, with the projection's `boundaries`):
     per chunk, the student's and the teacher's token before it and the teacher's first token of
     it (−1: none); the KD positions' top-k is then conditioned on what the student's token rules
-    out (`losses.boundaries`). `prior` (`boundary: marginal`): `targets` hold one more row per
-    chunk, after its D rows (`target_rows(..., prior=True)`): the row that predicted the teacher
-    token before the chunk, whose continuations past that token the KD row takes in first."""
+    out (`losses.boundaries`)."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -81,7 +79,6 @@ class KDTerm:
     longer_only: bool = False
     mix: bool = False
     before: Tensor | None = None
-    prior: bool = False
 
     @property
     def temperature(self) -> float:
@@ -112,12 +109,6 @@ class KDTerm:
             raise UserError(f"jsd needs 0 < beta < 1 (teacher {self.name!r}), got {beta}")
         if self.loss == "skew_kl" and not 0.0 <= alpha < 1.0:
             raise UserError(f"skew_kl needs 0 <= alpha < 1 (teacher {self.name!r}), got {alpha}")
-        marginal = self.projection.boundaries is not None and self.projection.boundaries.marginal
-        if self.prior != (marginal and self.before is not None):
-            raise ValueError(
-                "a term reads the row before each chunk (prior) exactly when its projection's "
-                "boundary table is marginal and it has the tokens before its chunks"
-            )
         if (self.first_t is not None or self.lookahead is not None) and self.loss not in (
             DISTRIBUTION_LOSSES
         ):
@@ -451,74 +442,23 @@ def _local(term: KDTerm, device: torch.device, dtype: torch.dtype) -> KDTerm:
 
 def boundary_dropped(term: KDTerm) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """`[C, D, K]` top-k ids and log-probs and `[C, D]` tails of `term`'s targets (D rows per
-    chunk, the KD position's first, which under `prior` has taken in the teacher's
-    continuations past its token before the chunk), and `[C, K]` the KD positions' entries that
-    the student's token before each chunk rules out (`losses.boundaries`); None without a table
-    or chunks."""
+    chunk, the KD position's first), and `[C, K]` the KD positions' entries that the student's
+    token before each chunk rules out (`losses.boundaries`); None without a table or chunks."""
     bounds, before = term.projection.boundaries, term.before
     c = term.chunks.shape[0]
     if bounds is None or before is None or c == 0:
         return None
     tg = term.targets
     depth = 1 if term.lookahead is None else term.lookahead.shape[1]
-    rows = depth + term.prior
-    ids = tg.topk_ids.view(c, rows, -1)
-    lp = tg.topk_logprobs.view(c, rows, -1)
-    tail = tg.tail_logprob.view(c, rows)
-    if term.prior:
-        kd = _marginal_kd_row(term, ids, lp, tail)
-        ids = torch.cat([kd[0].to(ids.dtype).unsqueeze(1), ids[:, 1:depth]], 1)
-        lp = torch.cat([kd[1].unsqueeze(1), lp[:, 1:depth]], 1)
-        tail = torch.cat([kd[2].unsqueeze(1), tail[:, 1:depth]], 1)
+    ids = tg.topk_ids.view(c, depth, -1)
+    lp = tg.topk_logprobs.view(c, depth, -1)
+    tail = tg.tail_logprob.view(c, depth)
     return ids, lp, tail, bounds.dropped(before[:, 0], before[:, 1], before[:, 2], ids[:, 0])
-
-
-def _marginal_kd_row(
-    term: KDTerm, ids: Tensor, lp: Tensor, tail: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The KD rows `ids, lp [C, K]`, `tail [C]` of `ids, lp [C, D + 1, K]`, `tail [C, D + 1]`
-    once they take in the teacher's continuations past its token before each chunk, read from
-    the last row of each chunk: the row that predicted that token (`losses.boundaries`,
-    `marginal`)."""
-    assert term.before is not None
-    extension, prior_lp, before_lp = marginal_inputs(term, ids[:, -1], lp[:, -1])
-    return marginalise(
-        ids[:, 0], lp[:, 0], tail[:, 0], extension, prior_lp, before_lp, term.before[:, 2]
-    )
-
-
-def marginal_inputs(term: KDTerm, prior_ids: Tensor, prior_lp: Tensor) -> tuple[Tensor, ...]:
-    """From the rows `prior_ids, prior_lp [C, K]` that predicted the teacher token before each
-    chunk: the teacher id that starts each entry's continuation past that token, −1 for an
-    entry that is none or one the student's token before the chunk rules out (its first byte
-    blocked after it, or a student token spelling it then that id: `losses.boundaries`), the
-    log-probs, and `[C]` the log-prob there of the teacher token before (−inf where the row is
-    not one of the chunk's sequence, having no next token, or where that token is not in the
-    row's top-k and the temperature is not 1, its probability at the temperature then unknown:
-    the KD row is left as it is)."""
-    tg, bounds, before = term.targets, term.projection.boundaries, term.before
-    joins = term.projection.joins
-    assert bounds is not None and before is not None and joins is not None
-    n = tg.next_valid.shape[0]
-    row = term.chunks[:, 2] - 2
-    at = row.clamp(min=0, max=max(n - 1, 0))
-    ok = (row >= 0) & (before[:, 1] >= 0) & tg.next_valid[at]
-    prior_ids = prior_ids.long()
-    own = prior_ids == before[:, 1:2]
-    in_top = torch.where(own, prior_lp, NEG_INF).logsumexp(-1)
-    known = tg.next_logprobs[at].to(prior_lp.dtype) if term.temperature == 1.0 else NEG_INF
-    before_lp = torch.where(ok, torch.where(own.any(-1), in_top, known), NEG_INF)
-    ext = bounds.extension_ids(before[:, 1], prior_ids)
-    u = before[:, 0]
-    ruled_out = bounds.blocked_after(u, ext) | (joins.lookup(u.unsqueeze(-1), ext) >= 0)
-    ext = torch.where(ruled_out | (u < 0).unsqueeze(-1), -1, ext)
-    return ext, prior_lp, before_lp
 
 
 def _conditioned(term: KDTerm) -> KDTerm:
     """`term` with each KD position's top-k conditioned on what the student's token before the
-    chunk rules out (`losses.boundaries`), having first taken in the teacher's continuations
-    past its token under `prior`; the rows after it (lookahead) are left as they are."""
+    chunk rules out (`losses.boundaries`); the rows after it (lookahead) are left as they are."""
     read = boundary_dropped(term)
     if read is None:
         return term
@@ -530,12 +470,11 @@ def _conditioned(term: KDTerm) -> KDTerm:
     tail = torch.cat([tail0.unsqueeze(1), tail[:, 1:]], 1)
     tg = dataclasses.replace(
         tg,
-        topk_ids=ids.flatten(0, 1),
-        topk_logprobs=lp.flatten(0, 1),
-        tail_logprob=tail.flatten(),
-        depth=ids.shape[1],
+        topk_ids=ids.view(tg.topk_ids.shape),
+        topk_logprobs=lp.view(tg.topk_logprobs.shape),
+        tail_logprob=tail.view(tg.tail_logprob.shape),
     )
-    return dataclasses.replace(term, targets=tg, prior=False, before=None)
+    return dataclasses.replace(term, targets=tg)
 
 
 def _term_plan(term: KDTerm, labels_s: Tensor, kd_ratio: float, dtype: torch.dtype) -> TermPlan:

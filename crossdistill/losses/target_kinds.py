@@ -1,8 +1,8 @@
 """What each projected target (`teachers.N.target`) reads and where it puts the teacher's mass.
 
 One `TargetKind` per target name, in `TARGET_KINDS`: the trainer, the teacher cache, the teacher
-streams and the checks at load ask `target_kind(name)` and read its fields, or ask `row_layout`
-(`target_depth`, `reads_past_end`) for the teacher rows a target needs. A new target is one entry
+streams and the checks at load ask `target_kind(name)` and read its fields, or ask
+`target_depth` and `reads_past_end` for the teacher rows a target needs. A new target is one entry
 here plus its math (`projection.py`, `lookahead.py`). The names themselves are the config's
 (`config.TARGETS`); `auto` is not a kind: it is resolved to one of these at load
 (`train.auto_target`). The targets are explained where their math is: `projection.py` (first
@@ -81,29 +81,3 @@ def reads_past_end(target: str, same_as_student: bool) -> bool:
     a target that reads past the end (`TargetKind.past_end`) of a teacher with its own
     tokenizer."""
     return target_kind(target).past_end and not same_as_student
-
-
-@dataclass(frozen=True)
-class RowLayout:
-    """The teacher rows a teacher's targets hold per chunk (`targets.target_rows`): `depth`
-    along the chunk from its KD row, one past its end if `past_end`, and with `prior` one more
-    last, the row before the KD row (`boundary: marginal`, `losses.boundaries`)."""
-
-    depth: int = 1
-    past_end: bool = False
-    prior: bool = False
-
-    @property
-    def per_chunk(self) -> int:
-        """Top-k rows per chunk (`TeacherTargets.depth`)."""
-        return self.depth + self.prior
-
-
-def row_layout(target: str, boundary: str, same_as_student: bool) -> RowLayout:
-    """The rows per chunk of a teacher of target `target` and `boundary` setting
-    (`TeacherConfig.boundary`), with its own tokenizer unless `same_as_student`."""
-    return RowLayout(
-        target_depth(target, same_as_student),
-        reads_past_end(target, same_as_student),
-        boundary == "marginal" and not same_as_student,
-    )

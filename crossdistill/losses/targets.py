@@ -73,28 +73,19 @@ def kd_positions(chunks: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(ok, s0 - 1, -1), torch.where(ok, t0 - 1, -1)
 
 
-def target_rows(
-    chunks: Tensor, depth: int = 1, past_end: bool = False, prior: bool = False
-) -> Tensor:
-    """Teacher rows `[C·(depth + prior)]` whose top-k the loss reads: per chunk, its KD row
-    `t0 − 1` (`kd_positions`) and, for the lookahead targets (`depth` > 1), the `depth − 1` rows
-    after it that predict the chunk's later teacher tokens (−1 past the chunk's end; with
-    `past_end`, one row further: the chunk's last token's, which predicts the text after the
-    chunk); with `prior` (`boundary: marginal`), last, the row `t0 − 2` that predicts the
-    teacher token before the chunk (−1 where there is none in the chunks' coordinates; the
-    loss reads it only where that row has a next token, `TeacherTargets.next_valid`)."""
+def target_rows(chunks: Tensor, depth: int = 1, past_end: bool = False) -> Tensor:
+    """Teacher rows `[C·depth]` whose top-k the loss reads: per chunk, its KD row `t0 − 1`
+    (`kd_positions`) and, for the lookahead targets (`depth` > 1), the `depth − 1` rows after it
+    that predict the chunk's later teacher tokens (−1 past the chunk's end; with `past_end`,
+    one row further: the chunk's last token's, which predicts the text after the chunk)."""
     _, kd = kd_positions(chunks)
     if depth == 1:
-        rows = kd.unsqueeze(-1)
-    else:
-        t0, t1 = chunks[:, 2], chunks[:, 3]
-        d = torch.arange(depth, device=chunks.device)
-        inside = (kd >= 0).unsqueeze(-1) & (t0.unsqueeze(-1) + d < t1.unsqueeze(-1) + past_end)
-        rows = torch.where(inside, kd.unsqueeze(-1) + d, -1)
-    if prior:
-        before = torch.where(kd >= 1, kd - 1, -1)
-        rows = torch.cat([rows, before.unsqueeze(-1)], -1)
-    return rows.flatten()
+        return kd
+    t0, t1 = chunks[:, 2], chunks[:, 3]
+    d = torch.arange(depth, device=chunks.device)
+    rows = kd.unsqueeze(-1) + d
+    inside = (kd >= 0).unsqueeze(-1) & (t0.unsqueeze(-1) + d < t1.unsqueeze(-1) + past_end)
+    return torch.where(inside, rows, -1).flatten()
 
 
 def chunk_tokens(input_ids_t: Tensor, chunks: Tensor, depth: int) -> Tensor:

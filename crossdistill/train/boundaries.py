@@ -9,9 +9,6 @@ anywhere: a rate after u that the sample bounds to a few percent of b's rate els
 counts are per token, on both tokenizers, so that a rule of one tokenizer (Llama-3's line end
 that swallows every line end after it) shows as blocked pairs on its side only. The sample is
 the same on every rank, so every process builds the same table.
-
-`boundary: marginal` adds a table of the teacher's vocabulary alone (`extension_table`): which ids
-spell another id and then more, and the teacher id that starts the rest.
 """
 
 from __future__ import annotations
@@ -76,45 +73,9 @@ def blocked_keys(
     return np.setdiff1d(candidates, seen), per_token
 
 
-def extension_table(table: Any, rows: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sorted int64 keys `t·rows + v`, int64 ids r) over the `TokenBytes` `table` of a model of
-    `rows` embedding rows: every id v that spells id t and then more, and r the id that starts
-    what v spells past t (the longest id spelling a prefix of it, one that is not a byte-fallback
-    piece where both spell it; a pair whose rest starts with no id is left out). Ids that cover
-    no text take no part."""
-    pieces = table.pieces()[: min(rows, table.vocab_size)]
-    by_bytes: dict[bytes, list[int]] = {}
-    for i, p in enumerate(pieces):
-        if p:
-            by_bytes.setdefault(p, []).append(i)
-    byte_piece = table.byte_piece
-    first = {p: min(ids, key=lambda i: (bool(byte_piece[i]), i)) for p, ids in by_bytes.items()}
-    longest = max(map(len, by_bytes), default=0)
-    keys, out = [], []
-    for v, p in enumerate(pieces):
-        for cut in range(1, len(p)):
-            owners = by_bytes.get(p[:cut])
-            if owners is None:
-                continue
-            rest = p[cut:]
-            cuts = range(min(len(rest), longest), 0, -1)
-            start = next((first[rest[:n]] for n in cuts if rest[:n] in first), None)
-            if start is None:  # no id spells the rest's start (a vocabulary without its bytes)
-                continue
-            for t in owners:
-                keys.append(t * rows + v)
-                out.append(start)
-    keys_a, ids_a = np.asarray(keys, dtype=np.int64), np.asarray(out, dtype=np.int64)
-    order = np.argsort(keys_a, kind="stable")
-    return keys_a[order], ids_a[order]
-
-
-def build_boundaries(
-    tok_s: Any, tok_t: Any, texts: list[str], rows_s: int, rows_t: int, marginal: bool = False
-):
+def build_boundaries(tok_s: Any, tok_t: Any, texts: list[str], rows_s: int, rows_t: int):
     """(`losses.Boundaries` on the CPU, a line for the run's log) from `texts`, encoded as
-    training encodes a document, for models of `rows_s` and `rows_t` embedding rows; with
-    `marginal`, the teacher's `extension_table` too."""
+    training encodes a document, for models of `rows_s` and `rows_t` embedding rows."""
     import torch
 
     from crossdistill.losses.boundaries import Boundaries
@@ -128,12 +89,7 @@ def build_boundaries(
         torch.from_numpy(first_t), torch.from_numpy(blocked_s), torch.from_numpy(blocked_t)
     )
     n = sum(map(len, ids_s))
-    line = describe(pipe.bytes_s, blocked_s, blocked_t, seen_s, n)
-    if marginal:
-        keys, starts = extension_table(pipe.bytes_t, rows_t)
-        out.extend_keys, out.extend_ids = torch.from_numpy(keys), torch.from_numpy(starts)
-        line += f"; {keys.size:,} pairs of teacher tokens where one spells the other and more"
-    return out, line
+    return out, describe(pipe.bytes_s, blocked_s, blocked_t, seen_s, n)
 
 
 def describe(

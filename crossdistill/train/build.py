@@ -104,7 +104,7 @@ def build_projection_for(
     if tcfg.loss == "hkl":
         matched = torch.from_numpy(relaxed_matches(tok_t, tok_s, proj))
         out.matched = _padded_ids(matched, rows_t, rows_s).to(device)
-    if kind.lookahead or tcfg.boundary == "marginal":  # `marginal` reads them too
+    if kind.lookahead:
         from crossdistill.alignment.projection import build_joins
 
         rows = torch.from_numpy(build_joins(tok_t, tok_s)).to(device)
@@ -125,7 +125,7 @@ def build_projection_for(
         out.byte_lengths = ByteLengths(
             _byte_lengths(tok_t, rows_t).to(device), _byte_lengths(tok_s, rows_s).to(device)
         )
-    if tcfg.boundary in ("condition", "marginal"):
+    if tcfg.boundary == "condition":
         out.boundaries, counted = _boundaries(tcfg, tok_s, tok_t, data, rows_s, rows_t)
         out.boundaries = out.boundaries.to(device)
         if notes is not None:
@@ -134,14 +134,13 @@ def build_projection_for(
 
 
 def _boundaries(tcfg: TeacherConfig, tok_s, tok_t, data: DataConfig | None, rows_s, rows_t):
-    """`boundary: condition`'s (or `marginal`'s) table (`train.boundaries`), counted on a sample of the training
+    """`boundary: condition`'s table (`train.boundaries`), counted on a sample of the training
     text, and a line saying what the count blocked."""
     from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS, build_boundaries
 
-    what = f"teacher {tcfg.name!r}: boundary: {tcfg.boundary} counts what the student's tokens rule out"
+    what = f"teacher {tcfg.name!r}: boundary: condition counts what the student's tokens rule out"
     texts = _training_sample(data, what, SAMPLE_BYTES, SAMPLE_ROWS)
-    marginal = tcfg.boundary == "marginal"
-    table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t, marginal)
+    table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t)
     return table, f"teacher {tcfg.name!r}: {line}"
 
 
@@ -332,15 +331,7 @@ def target_streams(run: RunPlan, cfg: Config, env: DistEnv, data_rank: int) -> l
         timeout = cfg.train.teacher_timeout_s
         out.append(
             TargetStream(
-                env.link,
-                t.name,
-                source,
-                top_k,
-                t.payload,
-                t.temperature,
-                timeout,
-                t.target,
-                t.boundary,
+                env.link, t.name, source, top_k, t.payload, t.temperature, timeout, t.target
             )
         )
     return out

@@ -21,7 +21,7 @@ from crossdistill.data.teacher_cache import (
     read_manifest,
 )
 from crossdistill.errors import UserError
-from crossdistill.losses import row_layout
+from crossdistill.losses import reads_past_end, target_depth
 from crossdistill.models import tokenizer_fingerprint
 from crossdistill.train.cache_build import (
     BuildOptions,
@@ -74,14 +74,12 @@ def open_cache(t: TeacherConfig, i: int, cfg: Config, tok: Any) -> CachedTeacher
     for ok, message in checks:
         if not ok:
             raise UserError(f"{where} {message}")
-    layout = row_layout(t.target, t.boundary, same_as_student=False)
     return CachedTeacher(  # the rows a cross-tokenizer teacher's target reads
         reader,
         int(t.top_k),
         t.name,
-        depth=layout.depth,
-        past_end=layout.past_end,
-        prior=layout.prior,
+        depth=target_depth(t.target, same_as_student=False),
+        past_end=reads_past_end(t.target, same_as_student=False),
     )
 
 
