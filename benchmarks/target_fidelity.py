@@ -5,7 +5,8 @@ of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
         [--past-end all --past-end canonical] [--boundary ignore --boundary condition] \
-        [--student RUN ...] [--reach] [--observed] [--other-seeds] [--json FILE] [--device cpu]
+        [--student RUN ...] [--reach] [--observed] [--other-seeds] [--table-text FILE] \
+        [--json FILE] [--device cpu]
 
 OUT is a `crossdistill bench quality --out OUT` whose teachers are trained. The same-tokenizer
 teacher stands in for the student a perfect distillation would give: a target that makes it pay
@@ -32,8 +33,9 @@ the rest: whether a target is far from that teacher on the text it saw or on the
 (`observed_split`).
 
 Under `--boundary condition` each target's table is followed by how often the student's token
-rules out some of the teacher's top-k at a KD position, and how much of the teacher's mass it
-drops there (`boundary_drops`).
+rules out some of the teacher's top-k at a KD position, how much of the teacher's mass it drops
+there, and how often more than a tenth (`boundary_drops`). `--table-text FILE` counts the
+table on another training file than the run's (a quick run's text rules out next to nothing).
 
 `--other-seeds` (a run with `--teacher-seeds N`, N ≥ 2) adds a floor: at the same KD positions,
 the loss the first same-tokenizer teacher would pay under same-tokenizer KD from that tokenizer's
@@ -299,13 +301,19 @@ def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dic
     }
 
 
+# a KD row where `boundary: condition` drops more than this share of the teacher's mass is
+# counted apart (`boundary_drops`): there the rest of the row, scaled up, is most of the target
+LARGE_DROP = 0.1
+
+
 def boundary_drops(term: Any, rows: int) -> dict[str, np.ndarray]:
     """Per student row `[rows]` that is a KD position (nan elsewhere): whether
-    `boundary: condition` drops any of the teacher's top-k entries there (`any`) and the
-    teacher's mass it drops (`mass`, at the targets' temperature)."""
+    `boundary: condition` drops any of the teacher's top-k entries there (`any`), the
+    teacher's mass it drops (`mass`, at the targets' temperature), and whether that is more
+    than `LARGE_DROP` of it (`large`)."""
     from crossdistill.losses.plan import boundary_dropped
 
-    out = {k: np.full(rows, np.nan) for k in ("any", "mass")}
+    out = {k: np.full(rows, np.nan) for k in ("any", "mass", "large")}
     read = boundary_dropped(term)
     if read is None:
         return out
@@ -314,6 +322,7 @@ def boundary_drops(term: Any, rows: int) -> dict[str, np.ndarray]:
     at = (term.chunks[:, 0] - 1).cpu().numpy()[ok]
     out["any"][at] = dropped.any(-1).double().cpu().numpy()[ok]
     out["mass"][at] = torch.where(dropped, lp[:, 0].double().exp(), 0.0).sum(-1).cpu().numpy()[ok]
+    out["large"][at] = (out["mass"][at] > LARGE_DROP).astype(np.float64)
     return out
 
 
@@ -354,6 +363,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--boundary", action="append", choices=["ignore", "condition"],
                     help="teachers.N.boundary of every target (repeatable: one column each; "
                     "default: the config's)")  # fmt: skip
+    ap.add_argument("--table-text", type=Path,
+                    help="count the boundary table on this training file (JSONL), not on the "
+                    "run's own text: a quick run's text is too short to rule anything out")  # fmt: skip
     ap.add_argument("--json", type=Path)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--batches", type=int, default=0, help="at most this many (0: all)")
@@ -398,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"{args.out} has no finished same-tokenizer teacher and CE-only student yet")
     config = json.loads(ce_runs[0].read_text())
     data = from_dict(Config, config).data
+    if args.table_text is not None:  # the boundary table counted on other text than the run's
+        data = replace(data, train=[str(args.table_text)])
     dev = torch.device(args.device)
     same_info = summary["teacher_runs"][same]
     stand_ins = {"same_teacher": teacher_folder(same_info)}
@@ -594,9 +608,10 @@ def print_table(table: dict[str, Any]) -> None:
             print(f"\nteacher {label}, target {t}: the KD positions where the student's token "
                   "rules out some of the teacher's top-k, and the teacher's mass dropped there, "
                   "per KD position")  # fmt: skip
-            print(f"  {'class':28s} {'with a drop':>12s} {'mass':>8s}")
+            print(f"  {'class':28s} {'with a drop':>12s} {'mass':>8s} "
+                  f"{'over ' + format(LARGE_DROP, '.0%'):>9s}")  # fmt: skip
             for name, r in per_class.items():
-                print(f"  {name:28s} {r['any']:12.1%} {r['mass']:8.4f}")
+                print(f"  {name:28s} {r['any']:12.1%} {r['mass']:8.4f} {r['large']:9.2%}")
     for label, rows in table.get("end_step", {}).items():
         print(f"\nteacher {label}, at the position after a chunk of one student token: its "
               "top-k mass the step past the end moves to a longer student token, the part of "

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.target_fidelity import (
+    LARGE_DROP,
     boundary_drops,
     bucket_reach,
     classes_by_row,
@@ -209,17 +210,19 @@ def test_seed_floor_is_same_tokenizer_kd_from_the_other_seed():
     assert np.abs(same[kd]).max() < 1e-12
 
 
-def test_boundary_drops_count_each_kd_row_as_written_out():
-    """Per KD row (a chunk's first student row less one): whether any top-k entry is dropped
-    and the teacher's mass dropped, summed by hand; NaN at rows that are no KD position."""
+@pytest.mark.parametrize("seed", [4, 8])
+def test_boundary_drops_count_each_kd_row_as_written_out(seed):
+    """Per KD row (a chunk's first student row less one): whether any top-k entry is dropped,
+    the teacher's mass dropped, summed by hand, and whether that is over `LARGE_DROP`; NaN at
+    rows that are no KD position."""
     from tests.unit.test_boundaries import with_table
     from tests.unit.test_losses_student import terms_for
 
-    _, _, labels, (term,) = terms_for("forward_kl", seed=5)
-    term = with_table(term, 1, seed=5)
+    _, _, labels, (term,) = terms_for("forward_kl", seed=seed)
+    term = with_table(term, 1, seed=seed)
     got = boundary_drops(term, labels.shape[0])
     b, before, tg = term.projection.boundaries, term.before, term.targets
-    seen = 0
+    seen = large = 0
     for c, (s0, _, _, _) in enumerate(term.chunks.tolist()):
         if before[c, 0] < 0:
             continue
@@ -236,7 +239,9 @@ def test_boundary_drops_count_each_kd_row_as_written_out():
                 mass += math.exp(lp)
         assert got["mass"][s0 - 1] == pytest.approx(mass, abs=1e-12)
         assert got["any"][s0 - 1] == float(mass > 0)
+        assert got["large"][s0 - 1] == float(mass > LARGE_DROP)
         seen += mass > 0
-    assert seen > 0
+        large += mass > LARGE_DROP
+    assert seen > large > 0
     kd_rows = {s0 - 1 for c, (s0, _, _, _) in enumerate(term.chunks.tolist()) if before[c, 0] >= 0}
     assert all(np.isnan(got["mass"][r]) for r in range(labels.shape[0]) if r not in kd_rows)
