@@ -302,7 +302,7 @@ def end_step_mass(sb, tb, hidden_t, head_t, joins_s, joins_t, top_k: int) -> dic
 
 
 # a KD row where `boundary: condition` drops more than this share of the teacher's mass is
-# counted apart (`boundary_drops`): there the rest of the row, scaled up, is most of the target
+# counted apart (`boundary_drops`): the rows whose target the condition reshapes most
 LARGE_DROP = 0.1
 
 
