@@ -44,6 +44,7 @@ def read_texts(path: Path, limit: int) -> list[str]:
 
 def shares(tok_s, tok_t, texts: list[str]) -> dict:
     """Counts per teacher token (module docstring) and their mean over the KD positions."""
+    from crossdistill.alignment.chunks import make_side
     from crossdistill.train.auto_target import encoded_sample
 
     pipe, ids_s, ids_t = encoded_sample(tok_s, tok_t, texts)
@@ -54,14 +55,10 @@ def shares(tok_s, tok_t, texts: list[str]) -> dict:
             by_bytes.setdefault(p, i)
     kd, past, first = collections.Counter(), collections.Counter(), collections.Counter()
     for s, t in zip(ids_s, ids_t):
-        s, t = np.asarray(s), np.asarray(t)
-        ls, lt = pipe.bytes_s.lengths[s], bt.lengths[t]
-        ends_s, ends_t = np.cumsum(ls), np.cumsum(lt)
-        lead = int(ends_t[-1] - ends_s[-1])  # a SentencePiece dummy-prefix space
-        text = bt.decode(t)[lead:]
-        ends_t = ends_t - lead
-        starts_t = np.maximum(ends_t - lt, 0)
-        for p in np.unique(ends_s[:-1][ls[:-1] > 0]).tolist():
+        side_s, side_t = make_side(s, pipe.bytes_s), make_side(t, bt)  # dummy prefix dropped
+        text = side_t.stream().tobytes()
+        ends_s, ends_t, starts_t = side_s.ends, side_t.ends, side_t.starts
+        for p in np.unique(ends_s[:-1][side_s.lens[:-1] > 0]).tolist():
             if p <= 0:
                 continue
             k = int(np.searchsorted(ends_t, p))  # the teacher token over byte p - 1

@@ -139,7 +139,7 @@ def _boundaries(tcfg: TeacherConfig, tok_s, tok_t, data: DataConfig | None, rows
     from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS, build_boundaries
 
     what = f"teacher {tcfg.name!r}: boundary: condition counts what the student's tokens rule out"
-    texts = _training_sample(data, what, SAMPLE_BYTES, SAMPLE_ROWS)
+    texts = _training_sample(data, what, SAMPLE_BYTES, rows_per_file=SAMPLE_ROWS)
     table, line = build_boundaries(tok_s, tok_t, texts, rows_s, rows_t)
     return table, f"teacher {tcfg.name!r}: {line}"
 
@@ -178,11 +178,10 @@ def _short_share(
     )
 
 
-def _training_sample(
-    data: DataConfig | None, what: str, num_bytes: int, rows_per_file: int = 256
-) -> list[str]:
-    """`data.build.sample_texts` of the training text, for a setting that counts on it (`what`
-    says which, for the error when the projection is built without the data settings)."""
+def _training_sample(data: DataConfig | None, what: str, num_bytes: int, **read) -> list[str]:
+    """`data.build.sample_texts(data, num_bytes, **read)` of the training text, for a setting
+    that counts on it (`what` says which, for the error when the projection is built without
+    the data settings)."""
     from crossdistill.data.build import sample_texts
 
     if data is None:
@@ -190,7 +189,7 @@ def _training_sample(
             f"{what} on the training text: build the projection with the run's data settings "
             "(build_projection_for(..., data=cfg.data))"
         )
-    return sample_texts(data, num_bytes, rows_per_file=rows_per_file)
+    return sample_texts(data, num_bytes, **read)
 
 
 def _padded_ids(first: torch.Tensor, rows: int, limit: int) -> torch.Tensor:
