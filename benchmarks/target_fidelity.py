@@ -5,6 +5,7 @@ of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
         [--past-end all --past-end canonical] [--boundary ignore --boundary condition] \
+        [--split-context none --split-context previous] \
         [--student RUN ...] [--reach] [--observed] [--other-seeds] [--table-text FILE] \
         [--json FILE] [--device cpu]
 
@@ -360,6 +361,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deep-alternatives", action="append", choices=["join", "longest"],
                     help="teachers.N.deep_alternatives of the lookahead targets (repeatable: one "
                     "column each; default join)")  # fmt: skip
+    ap.add_argument("--split-context", action="append", choices=["none", "previous"],
+                    help="teachers.N.split_context of lookahead_split (repeatable: one column "
+                    "each; default none)")  # fmt: skip
     ap.add_argument("--boundary", action="append", choices=["ignore", "condition"],
                     help="teachers.N.boundary of every target (repeatable: one column each; "
                     "default: the config's)")  # fmt: skip
@@ -398,6 +402,8 @@ def main(argv: list[str] | None = None) -> None:
             )
     default_end, default_many = TeacherConfig.past_end, TeacherConfig.many_chunks
     default_deep = TeacherConfig.deep_alternatives
+    default_context = TeacherConfig.split_context
+    args.split_context = list(dict.fromkeys(args.split_context or [default_context]))
     args.past_end = list(dict.fromkeys(args.past_end or [default_end]))
     args.many_chunks = list(dict.fromkeys(args.many_chunks or [default_many]))
     args.deep_alternatives = list(dict.fromkeys(args.deep_alternatives or [default_deep]))
@@ -454,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
                         (many, default_many),
                         (deep, default_deep),
                         (bound, default_boundary),
+                        (ctx, default_context),
                     )
                     if v != d
                 ]
@@ -464,12 +471,14 @@ def main(argv: list[str] | None = None) -> None:
                 many_chunks=many,
                 deep_alternatives=deep,
                 boundary=bound,
+                split_context=ctx,
             )
             for t in args.target
             for bound in args.boundary
             for end in (args.past_end if target_kind(t).past_end else [default_end])
             for many in (args.many_chunks if target_kind(t).lookahead else [default_many])
             for deep in (args.deep_alternatives if target_kind(t).lookahead else [default_deep])
+            for ctx in (args.split_context if target_kind(t).split else [default_context])
         }
         projections = {
             t: build_projection_for(c, tok_t, tok_s, rows_t, rows_s, dev, data=data)

@@ -67,6 +67,9 @@ ManyChunks = Literal["first_piece", "path"]
 DeepAlternatives = Literal["join", "longest"]
 # the share unseen teacher tokens are drawn toward by `lookahead_split` (`TeacherConfig.split_prior`)
 SplitPrior = Literal["boundaries", "tokens"]
+# what `lookahead_split`'s share of an alternative reads besides the alternative itself
+# (`TeacherConfig.split_context`)
+SplitContext = Literal["none", "previous"]
 # what a KD position's target does with the next bytes the student's last token rules out
 # (`TeacherConfig.boundary`)
 Boundary = Literal["ignore", "condition"]
@@ -212,6 +215,12 @@ class TeacherConfig(ModelConfig):
     # teacher never writes, and the split's prior": there it changed the students by under
     # 0.01%, so "boundaries" stays)
     split_prior: SplitPrior = "boundaries"
+    # `lookahead_split`'s share of an alternative teacher token x for its exact student token:
+    # "none", one share per x; "previous", one per x and the student's token before the KD
+    # position, counted at load on the same sample of the training text as `boundary` (pairs
+    # the sample holds a few times drawn toward x's own share), since the student's last token
+    # says much about whether the text stops after x (`train.short_share`)
+    split_context: SplitContext = "none"
     # a cross teacher's top-k at a KD position: "condition" drops the continuations whose first
     # byte the student's last token rules out there (Llama-3's `;\n` is never followed by a line
     # end, where Mistral's `<0x0A>` often is) and divides the rest by what is left, the teacher's

@@ -361,7 +361,7 @@ class Experiment:
                 ahead = target == "auto" or any(
                     target_kind(part).lookahead for part in target_parts(target)
                 )
-                for ratio, chunks, ce, warmup, end, many, deep, bound in itertools.product(
+                for ratio, chunks, ce, warmup, end, many, deep, bound, ctx in itertools.product(
                     spec.kd_ratios,
                     spec.kd_chunks,
                     spec.ce_without_kd,
@@ -370,6 +370,7 @@ class Experiment:
                     spec.many_chunks if ahead else [TeacherConfig.many_chunks],
                     spec.deep_alternatives if ahead else [TeacherConfig.deep_alternatives],
                     spec.boundary,
+                    spec.split_context if ahead else [TeacherConfig.split_context],
                 ):
                     name = f"cross-{label}-{loss}{suffix}"
                     if chunks != TeacherConfig.kd_chunks:
@@ -382,6 +383,8 @@ class Experiment:
                         name += f"-deep_{deep}"
                     if bound != TeacherConfig.boundary:
                         name += f"-boundary_{bound}"
+                    if ctx != TeacherConfig.split_context:
+                        name += f"-split_{ctx}"
                     if ce != TrainConfig.ce_without_kd:
                         name += f"-ce_{ce}"
                     if warmup != TrainConfig.kd_warmup_steps:
@@ -402,6 +405,7 @@ class Experiment:
                             many_chunks=many,
                             deep_alternatives=deep,
                             boundary=bound,
+                            split_context=ctx,
                         )
                     )
         self.teachers: dict[str, float] = {}  # label -> mean over the teacher seeds
@@ -614,6 +618,7 @@ class Experiment:
                         "many_chunks": cell.many_chunks,
                         "deep_alternatives": cell.deep_alternatives,
                         "boundary": cell.boundary,
+                        "split_context": cell.split_context,
                     }
                 )
                 if len(terms) > 1:  # one KD term per target, the weight shared equally
@@ -682,6 +687,7 @@ class Experiment:
             "many_chunks": self.spec.many_chunks,
             "deep_alternatives": self.spec.deep_alternatives,
             "boundary": self.spec.boundary,
+            "split_context": self.spec.split_context,
             "ce_without_kd": self.spec.ce_without_kd,
             "kd_warmup_steps": self.spec.kd_warmup_steps,
             "kd_ratios": self.spec.kd_ratios,

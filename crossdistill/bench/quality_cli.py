@@ -25,6 +25,7 @@ from crossdistill.config import (
     KDChunks,
     ManyChunks,
     PastEnd,
+    SplitContext,
     TeacherConfig,
     TrainConfig,
 )
@@ -106,6 +107,12 @@ def add_parser(subparsers) -> None:
             TeacherConfig.deep_alternatives,
         ),
         ("--boundary", Boundary, "teachers.N.boundary", TeacherConfig.boundary),
+        (
+            "--split-context",
+            SplitContext,
+            "teachers.N.split_context",
+            TeacherConfig.split_context,
+        ),
         ("--ce-without-kd", CEWithoutKD, "train.ce_without_kd", TrainConfig.ce_without_kd),
     ):
         p.add_argument(
@@ -274,6 +281,7 @@ def spec_from_args(args: argparse.Namespace) -> QualitySpec:
             dict.fromkeys(args.deep_alternatives or [TeacherConfig.deep_alternatives])
         ),
         boundary=list(dict.fromkeys(args.boundary or [TeacherConfig.boundary])),
+        split_context=list(dict.fromkeys(args.split_context or [TeacherConfig.split_context])),
         ce_without_kd=list(dict.fromkeys(args.ce_without_kd or [TrainConfig.ce_without_kd])),
         kd_warmup_steps=list(dict.fromkeys(args.kd_warmup_steps or [TrainConfig.kd_warmup_steps])),
         kd_ratios=list(dict.fromkeys(args.kd_ratio or [TrainConfig.kd_ratio])),

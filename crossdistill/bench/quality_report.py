@@ -32,6 +32,7 @@ class Cell:
     many_chunks: str = TeacherConfig.many_chunks
     deep_alternatives: str = TeacherConfig.deep_alternatives
     boundary: str = TeacherConfig.boundary
+    split_context: str = TeacherConfig.split_context
 
 
 def summarize(
@@ -158,6 +159,7 @@ def summarize(
             "many_chunks": cell.many_chunks,
             "deep_alternatives": cell.deep_alternatives,
             "boundary": cell.boundary,
+            "split_context": cell.split_context,
             "ce_without_kd": cell.ce_without_kd,
             "kd_warmup_steps": cell.kd_warmup_steps,
             "kd_ratio": cell.kd_ratio,
@@ -390,6 +392,9 @@ def print_table(report: dict[str, Any], file=sys.stdout) -> None:
             label += f" deep_alternatives {deep}"
         if entry.get("boundary", TeacherConfig.boundary) != TeacherConfig.boundary:
             label += f" boundary {entry['boundary']}"
+        context = entry.get("split_context", TeacherConfig.split_context)
+        if context != TeacherConfig.split_context:
+            label += f" split_context {context}"
         if entry.get("ce_without_kd", TrainConfig.ce_without_kd) != TrainConfig.ce_without_kd:
             label += f" ce_without_kd {entry['ce_without_kd']}"
         if entry.get("kd_warmup_steps", TrainConfig.kd_warmup_steps):

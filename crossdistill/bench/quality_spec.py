@@ -21,6 +21,7 @@ from crossdistill.config import (
     KDChunks,
     ManyChunks,
     PastEnd,
+    SplitContext,
     TeacherConfig,
     TrainConfig,
 )
@@ -251,6 +252,8 @@ class QualitySpec:
     deep_alternatives: list[str] = field(default_factory=lambda: [TeacherConfig.deep_alternatives])
     # the cross cells' `boundary`: each cross cell runs under each
     boundary: list[str] = field(default_factory=lambda: [TeacherConfig.boundary])
+    # the cross cells' `split_context` (`lookahead_split`): each cross cell runs under each
+    split_context: list[str] = field(default_factory=lambda: [TeacherConfig.split_context])
     # the cross cells' `train.ce_without_kd`: each cross cell runs under each
     ce_without_kd: list[str] = field(default_factory=lambda: [TrainConfig.ce_without_kd])
     # the cross cells' `train.kd_warmup_steps`: each cross cell runs under each
@@ -298,6 +301,7 @@ class QualitySpec:
             ("--many-chunks", self.many_chunks, ManyChunks),
             ("--deep-alternatives", self.deep_alternatives, DeepAlternatives),
             ("--boundary", self.boundary, Boundary),
+            ("--split-context", self.split_context, SplitContext),
             ("--ce-without-kd", self.ce_without_kd, CEWithoutKD),
         ):
             choices = get_args(kind)

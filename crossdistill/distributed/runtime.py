@@ -412,7 +412,9 @@ def make_term(slot: TeacherSlot, tb: Any, targets: TeacherTargets, device, ids_s
     depth = target_depth(slot.cfg.target, tb.same_as_student)
     if depth > 1:
         ahead = chunk_tokens(flat_t, chunks, depth)
-    if slot.projection.boundaries is not None and not tb.same_as_student:
+    groups = slot.projection.groups
+    pairs = groups is not None and groups.pair_keys is not None
+    if (slot.projection.boundaries is not None or pairs) and not tb.same_as_student:
         before = tokens_before(chunks, _to(ids_s, device).view(-1), flat_t)
     return KDTerm(
         targets=targets,

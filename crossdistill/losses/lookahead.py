@@ -174,6 +174,7 @@ def project_lookahead(
     single: Tensor | None = None,
     groups: PrefixGroups | None = None,
     only: Tensor | None = None,
+    previous: Tensor | None = None,
 ) -> Buckets:
     """The lookahead target's buckets `[C, L]` (module docstring).
 
@@ -189,7 +190,8 @@ def project_lookahead(
     (`lookahead_prefix`, `lookahead_prefix_end`): the KD position's entries other than the
     chunk's first teacher token go to their groups, from column `group_from` of the buckets on.
     `only [C]` (`lookahead_longer`): the chunks that take `single` and `groups`; the others get
-    the lookahead target."""
+    the lookahead target. `previous [C]` (`split_context: previous`): the student's token before
+    each chunk (−1: none), which picks `lookahead_split`'s share from the groups' pair table."""
     depth = topk_ids.shape[1]
     ids, lp, obs = topk_ids.long(), topk_logprobs, observed.long()
     chain = prefix_chain(obs, projection, depth)
@@ -210,7 +212,7 @@ def project_lookahead(
         drop = hit0 | alt
         if groups.short_logshare is not None:  # lookahead_split
             grouped, short_ids, short_logq = _split_off_short(
-                ids[:, 0], alt, grouped, projection, groups
+                ids[:, 0], alt, grouped, projection, groups, previous
             )
             short = ([short_ids], [short_logq])
     flat, flat_logq, tail = topk_entries(
@@ -286,16 +288,18 @@ def _split_off_short(
     grouped: tuple[Tensor, Tensor],
     projection: VocabProjection,
     groups: PrefixGroups,
+    previous: Tensor | None = None,
 ) -> tuple[tuple[Tensor, Tensor], Tensor, Tensor]:
     """`lookahead_split`: of each alternative's mass (`grouped`: its event and log-probability,
-    at the entries `alt [C, K]`), the share `groups.short_logshare` of its teacher id goes to
-    the student token spelling it exactly, the rest stays with its group. Returns the groups'
-    (events, −1 where no mass is left; log-probabilities), the exact tokens `[C, K]` and their
-    log-probabilities (−1 and −inf where an alternative has none)."""
+    at the entries `alt [C, K]`), the share of its teacher id (`groups.logshare`, after the
+    student's token `previous [C]` where given) goes to the student token spelling it exactly,
+    the rest stays with its group. Returns the groups' (events, −1 where no mass is left;
+    log-probabilities), the exact tokens `[C, K]` and their log-probabilities (−1 and −inf
+    where an alternative has none)."""
     event, logq = grouped
     x = ids.long().clamp(min=0)
     exact = alt & projection.exact[x]
-    share = groups.short_logshare.to(logq.dtype)[x]
+    share = groups.logshare(x, previous).to(logq.dtype)
     to_short = torch.where(exact, logq + share, NEG_INF)
     to_group = torch.where(exact, logq + _log1m_exp(share), logq)
     event = torch.where(to_group > NEG_INF, event, -1)

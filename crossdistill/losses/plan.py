@@ -59,10 +59,11 @@ class KDTerm:
     tokens. `mix` (`lookahead_mix`): a lookahead term whose projection has prefix groups is two
     divergences at half weight each, one without the groups and one with them. Groups with a
     `short_logshare` (`lookahead_split`) give that share of each alternative to its exact
-    student token. `before [C, 3]` (`boundary: condition`, with the projection's `boundaries`):
-    per chunk, the student's and the teacher's token before it and the teacher's first token of
-    it (−1: none); the KD positions' top-k is then conditioned on what the student's token rules
-    out (`losses.boundaries`)."""
+    student token. `before [C, 3]` (`boundary: condition`, with the projection's `boundaries`,
+    and `split_context: previous`, with the groups' pair table): per chunk, the student's and the
+    teacher's token before it and the teacher's first token of it (−1: none); the KD positions'
+    top-k is then conditioned on what the student's token rules out (`losses.boundaries`), and
+    the split's share read after the student's token (`PrefixGroups.logshare`)."""
 
     targets: TeacherTargets
     projection: VocabProjection
@@ -414,6 +415,7 @@ def _lookahead_buckets(
         single=(s1 - s0 == 1) if term.past_end else None,
         groups=groups,
         only=longer,
+        previous=None if term.before is None else term.before[:, 0],
     )
 
 

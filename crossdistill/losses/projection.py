@@ -274,6 +274,11 @@ class PrefixGroups:
     # group, which then leaves that token out: `split_from_first_pieces`); None: the group takes
     # all of it
     short_logshare: Tensor | None = None
+    # `split_context: previous`: sorted keys `u·V_t + x` of (student token before the KD
+    # position u, teacher id x) pairs `[P]` and the log of each pair's share `[P]`, which
+    # replaces x's own share after u; None: x's own share everywhere
+    pair_keys: Tensor | None = None
+    pair_logshare: Tensor | None = None
 
     @classmethod
     def from_first_pieces(
@@ -317,12 +322,37 @@ class PrefixGroups:
         share = short_share.to(torch.float64).clamp(0.0, 1.0)
         return replace(groups, short_logshare=share.log())
 
+    def with_pairs(self, keys: Tensor, shares: Tensor) -> PrefixGroups:
+        """These groups with `split_context: previous`'s pair shares: sorted keys `u·V_t + x`
+        `[P]` (V_t: the rows of `short_logshare`) and each pair's share in [0, 1] `[P]`."""
+        share = shares.to(torch.float64).clamp(0.0, 1.0)
+        return replace(self, pair_keys=keys.long(), pair_logshare=share.log())
+
+    def logshare(self, ids: Tensor, previous: Tensor | None) -> Tensor:
+        """`[C, K]` the log of the share of each teacher id `ids [C, K]` (clamped to ≥ 0) for
+        its exact student token: the pair's share after the student's token `previous [C]`
+        (−1: none) where the pair table holds it, else the id's own."""
+        share = self.short_logshare[ids]
+        keys = self.pair_keys
+        if keys is None or previous is None or keys.numel() == 0:
+            return share
+        prev = previous.long().unsqueeze(-1)
+        query = torch.where(prev >= 0, prev * self.short_logshare.shape[0] + ids, -1)
+        at = torch.searchsorted(keys, query.clamp(min=0)).clamp(max=keys.numel() - 1)
+        found = (keys[at] == query) & (query >= 0)
+        return torch.where(found, self.pair_logshare[at], share)
+
     def to(self, device: torch.device | str) -> PrefixGroups:
+        def moved(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t.to(device)
+
         return PrefixGroups(
             self.student_event.to(device),
             self.teacher_event.to(device),
             self.num_events,
-            None if self.short_logshare is None else self.short_logshare.to(device),
+            moved(self.short_logshare),
+            moved(self.pair_keys),
+            moved(self.pair_logshare),
         )
 
 

@@ -99,6 +99,13 @@ def build_projection_for(
             out.groups = PrefixGroups.split_from_first_pieces(
                 first_t.to(device), out.first_piece, out.exact, share.to(device)
             )
+            if tcfg.split_context == "previous":
+                keys, pair_share, counted = _pair_shares(
+                    tcfg, tok_s, tok_t, data, out, first_t, share
+                )
+                if notes is not None:
+                    notes.append(counted)
+                out.groups = out.groups.with_pairs(keys.to(device), pair_share.to(device))
         else:
             out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     if tcfg.loss == "hkl":
@@ -176,6 +183,33 @@ def _short_share(
     return torch.from_numpy(short_shares(short, longer, tcfg.split_prior)), describe_counts(
         tcfg.name, short, longer, sampled
     )
+
+
+def _pair_shares(
+    tcfg: TeacherConfig,
+    tok_s,
+    tok_t,
+    data: DataConfig | None,
+    proj: VocabProjection,
+    first_t: torch.Tensor,
+    shares: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """`split_context: previous`'s pair table (`train.short_share.pair_shares`): the keys, each
+    pair's share drawn toward its teacher token's own in `shares [rows_t]`, counted on the
+    sample of the training text `boundary: condition` reads, and a line saying what it saw."""
+    from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS
+    from crossdistill.train.short_share import boundary_events, pair_shares
+
+    spelled = torch.where(proj.exact, proj.first_piece, -1).cpu().numpy()
+    what = f"teacher {tcfg.name!r}: split_context: previous counts the split per previous token"
+    texts = _training_sample(data, what, SAMPLE_BYTES, rows_per_file=SAMPLE_ROWS)
+    events = boundary_events(tok_s, tok_t, texts, spelled, first_t.numpy())
+    keys, pair = pair_shares(events, shares.double().cpu().numpy())
+    line = (
+        f"teacher {tcfg.name!r}: lookahead_split shares counted per previous student token on "
+        f"{len(events):,} chunks: {len(keys):,} pairs"
+    )
+    return torch.from_numpy(keys), torch.from_numpy(pair), line
 
 
 def _training_sample(data: DataConfig | None, what: str, num_bytes: int, **read) -> list[str]:

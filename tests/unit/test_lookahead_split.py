@@ -9,7 +9,10 @@ counted on the training text.
 - the loss, chunked pass and full-logits reference, against the plain float64 loss of
   `test_lookahead_prefix`, value and gradients, for every projected loss at τ = 1 and 2;
 - the counts on real tokenizers, read off by hand, and the shares drawn toward the overall one;
-- a `train()` run, and what the settings refuse.
+- `split_context: previous`: the pair's share after the student's previous token, against the
+  same reference with the shares chosen per row, and the buckets bit for bit where no pair
+  applies;
+- `train()` runs, and what the settings refuse.
 """
 
 from __future__ import annotations
@@ -56,13 +59,14 @@ def split_groups(toy: Toy, seed: int) -> PrefixGroups:
     )
 
 
-def split_reference(toy, groups, logp, k, obs, label, depth):
+def split_reference(toy, groups, logp, k, obs, label, depth, share=None):
     """`lookahead_end`'s plain target with the KD position's other entries that have a group
-    left out, then placed: the share on the exact student token, the rest in the group (key
-    `("event", e)`), or in the tail where a single of the row is in that group."""
+    left out, then placed: the share on the exact student token (`share [V_t]`, default the
+    groups' own), the rest in the group (key `("event", e)`), or in the tail where a single of
+    the row is in that group."""
     event_t = groups.teacher_event.first_piece.tolist()
     event_s = groups.student_event.tolist()
-    share = groups.short_logshare.exp().tolist()
+    share = groups.short_logshare.exp().tolist() if share is None else share
     exact, first = toy.proj.exact.tolist(), toy.proj.first_piece.tolist()
     top0 = sorted(range(len(logp[0])), key=lambda x: -logp[0][x])[:k]
     skip = frozenset(x for x in top0 if x != obs[0] and event_t[x] >= 0)
@@ -112,6 +116,57 @@ def test_matches_plain_reference(seed, depth):
     torch.testing.assert_close(got.sum(-1), torch.ones(len(rows), dtype=F64))
     assert not got.isnan().any() and (got >= 0).all()
     assert split > len(rows)  # the draw puts mass in groups
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pair_shares_replace_the_tokens_own_after_their_previous_token(seed):
+    """`split_context: previous`: at each chunk, an alternative whose pair with the student's
+    token before the chunk is in the table takes the pair's share, any other its own; without
+    a previous token, or with no pair of the row in the table, the buckets are the ones
+    without the table, bit for bit."""
+    toy, k, depth = Toy(seed), 5, 2
+    groups = split_groups(toy, seed)
+    v_t, v_s = len(toy.teacher), len(toy.student)
+    rows = [r for r in toy_chunks(toy, seed, 120, depth) if len(r[1]) <= depth]
+    ids, top, tail, obs, length, rest, cont = stacked(rows, depth, k)
+    single = torch.ones(len(rows), dtype=torch.bool)
+    gen = torch.Generator().manual_seed(200 + seed)
+    previous = torch.randint(-1, v_s, (len(rows),), generator=gen)
+    # about half of all pairs, with shares of 0 and 1 among them
+    pairs = {
+        (u, x): float(torch.rand((), generator=gen, dtype=F64))
+        for u in range(v_s)
+        for x in range(v_t)
+        if torch.rand((), generator=gen) < 0.5
+    }
+    first = next(iter(pairs))
+    pairs[first], pairs[list(pairs)[1]] = 0.0, 1.0
+    keys = sorted(u * v_t + x for u, x in pairs)
+    table = groups.with_pairs(
+        torch.tensor(keys),
+        torch.tensor([pairs[(key // v_t, key % v_t)] for key in keys], dtype=F64),
+    )
+    b = project_lookahead(
+        ids, top, tail, toy.proj, cont, obs, length, rest, single, table, previous=previous
+    )
+    got = dense_buckets(b, v_s, groups.num_events)
+    own = groups.short_logshare.exp().tolist()
+    moved = 0
+    for c, (label, o, lp) in enumerate(rows):
+        u = int(previous[c])
+        share = [pairs.get((u, x), own[x]) if u >= 0 else own[x] for x in range(v_t)]
+        moved += share != own
+        want = split_reference(toy, groups, lp.tolist(), k, o, label, depth, share)
+        want = dense(want, v_s, groups.num_events)
+        torch.testing.assert_close(got[c], want, rtol=1e-12, atol=1e-14)
+    assert moved > len(rows) // 4
+    without = project_lookahead(ids, top, tail, toy.proj, cont, obs, length, rest, single, groups)
+    for table_rows, prev in ((table, None), (table, torch.full_like(previous, -1)),
+                             (groups.with_pairs(torch.zeros(0), torch.zeros(0)), previous)):  # fmt: skip
+        same = project_lookahead(
+            ids, top, tail, toy.proj, cont, obs, length, rest, single, table_rows, previous=prev
+        )
+        assert torch.equal(same.logq, without.logq) and torch.equal(same.ids, without.ids)
 
 
 @pytest.mark.parametrize("tau", [1.0, 2.0])
@@ -206,6 +261,38 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead_prefix_end(
     )
     assert counted and int(counted[1].replace(",", "")) > 100
     assert "lookahead_split shares" not in logs["lookahead_prefix_end"]
+
+
+def test_a_run_with_pair_shares_trains_and_differs_from_one_share_per_token(
+    tmp_path, tokenizer_dir, capsys
+):
+    """`train()` in one process (Llama-2 student, GPT-2 teacher) under `lookahead_split` with
+    `split_context: previous`: a finite first KD value, not the one with a share per token
+    (under `boundary: ignore`, where the previous token is read for the pair table alone), a
+    run under `condition` too, and the log says what the pairs were counted on."""
+    from tests.distributed import _harness as h
+
+    kd, logs = {}, {}
+    for boundary, context in (
+        ("ignore", "none"),
+        ("ignore", "previous"),
+        ("condition", "previous"),
+    ):
+        cfg = h.trainer_config(tmp_path / boundary / context, tokenizer_dir, 2, eval_every=2)
+        t = cfg.teachers[0]
+        t.target, t.top_k, t.boundary, t.split_context = (
+            "lookahead_split", TOP_K_END, boundary, context
+        )  # fmt: skip
+        kd[boundary, context] = h.first_kd(cfg)
+        logs[boundary, context] = "".join(capsys.readouterr())
+    assert all(math.isfinite(v) for v in kd.values())
+    a, b = kd["ignore", "none"], kd["ignore", "previous"]
+    assert abs(a - b) > 1e-6 * abs(a)
+    for boundary in ("ignore", "condition"):
+        pairs = re.search(r"per previous student token on ([\d,]+) chunks: ([\d,]+) pairs",
+                          logs[boundary, "previous"])  # fmt: skip
+        assert pairs and int(pairs[2].replace(",", "")) > 10
+    assert "per previous student token" not in logs["ignore", "none"]
 
 
 def test_settings_and_projection_refuse_what_cannot_be_built(tmp_path, tokenizer_dir):
