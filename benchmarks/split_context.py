@@ -8,11 +8,12 @@ A share that also reads the student's token before the KD position (a table per 
 token and x, drawn toward `π_x`) could follow the context. This counts what it would gain: at
 the boundaries `boundary_counts` counts (x at a boundary of both tokenizations, the student's
 token there x's exact one or a longer one; `short_share.boundary_events`), the binary log-loss
-of the observed outcome under `π_x` and under the conditioned share, both counted on four documents in five and read on the
-fifth. The gain bounds what such a share can do for the target from above: the target
-applies the share only to the alternatives, at the teacher's mass on them. A run counts `π_x`
-on a smaller sample than the pairs (what `target: auto` reads), so `π_x` counted on that much is
-reported too, and the gain's two parts show apart: the larger sample's and the previous token's.
+of the observed outcome under `π_x` and under the conditioned share, both counted on four
+documents in five and read on the fifth. The target applies the share only to the alternatives,
+at the teacher's mass on them, so this says where a share can gain, not how much the target
+moves. A run counts `π_x` on a smaller sample than the pairs (what `target: auto` reads), so
+`π_x` counted on that much is reported too, and the gain's two parts show apart: the larger
+sample's and the previous token's.
 
     python benchmarks/split_context.py CORPUS.jsonl.gz [CORPUS ...] --teacher $TOK/mistral/hf \
         [--student $TOK/llama3/hf] [--bytes 5000000] [--share-bytes N] [--json FILE]

@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deep-alternatives", action="append", choices=["join", "longest"],
                     help="teachers.N.deep_alternatives of the lookahead targets (repeatable: one "
                     "column each; default join)")  # fmt: skip
-    ap.add_argument("--split-context", action="append", choices=["none", "previous"],
+    ap.add_argument("--split-context", action="append", choices=["none", "wide", "previous"],
                     help="teachers.N.split_context of lookahead_split (repeatable: one column "
                     "each; default none)")  # fmt: skip
     ap.add_argument("--boundary", action="append", choices=["ignore", "condition"],

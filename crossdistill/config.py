@@ -69,7 +69,7 @@ DeepAlternatives = Literal["join", "longest"]
 SplitPrior = Literal["boundaries", "tokens"]
 # what `lookahead_split`'s share of an alternative reads besides the alternative itself
 # (`TeacherConfig.split_context`)
-SplitContext = Literal["none", "previous"]
+SplitContext = Literal["none", "wide", "previous"]
 # what a KD position's target does with the next bytes the student's last token rules out
 # (`TeacherConfig.boundary`)
 Boundary = Literal["ignore", "condition"]
@@ -216,10 +216,12 @@ class TeacherConfig(ModelConfig):
     # 0.01%, so "boundaries" stays)
     split_prior: SplitPrior = "boundaries"
     # `lookahead_split`'s share of an alternative teacher token x for its exact student token:
-    # "none", one share per x; "previous", one per x and the student's token before the KD
-    # position, counted at load on the same sample of the training text as `boundary` (pairs
-    # the sample holds a few times drawn toward x's own share), since the student's last token
-    # says much about whether the text stops after x (`train.short_share`)
+    # "none", one share per x, counted on the sample `target: auto` reads; "wide", one share per
+    # x counted on the larger sample `boundary` reads; "previous", that, and one share per pair
+    # of x and the student's token before the KD position (pairs the sample holds a few times
+    # drawn toward x's own share), since the student's last token says much about whether the
+    # text stops after x (`train.short_share`). "wide" is "previous" without the pairs, to
+    # measure the two apart
     split_context: SplitContext = "none"
     # a cross teacher's top-k at a KD position: "condition" drops the continuations whose first
     # byte the student's last token rules out there (Llama-3's `;\n` is never followed by a line

@@ -93,19 +93,14 @@ def build_projection_for(
     if kind.groups:  # each student token's first teacher piece: the other way
         first_t = _padded_ids(build_projection(tok_s, tok_t).first_piece, rows_s, rows_t)
         if kind.split:
-            share, counted = _short_share(tcfg, tok_s, tok_t, data, out, first_t)
+            share, pairs, counted = _short_share(tcfg, tok_s, tok_t, data, out, first_t)
             if notes is not None:
-                notes.append(counted)
+                notes.extend(counted)
             out.groups = PrefixGroups.split_from_first_pieces(
                 first_t.to(device), out.first_piece, out.exact, share.to(device)
             )
-            if tcfg.split_context == "previous":
-                keys, pair_share, counted = _pair_shares(
-                    tcfg, tok_s, tok_t, data, out, first_t, share
-                )
-                if notes is not None:
-                    notes.append(counted)
-                out.groups = out.groups.with_pairs(keys.to(device), pair_share.to(device))
+            if pairs is not None:
+                out.groups = out.groups.with_pairs(pairs[0].to(device), pairs[1].to(device))
         else:
             out.groups = PrefixGroups.from_first_pieces(first_t.to(device), out.first_piece)
     if tcfg.loss == "hkl":
@@ -169,47 +164,43 @@ def _short_share(
     data: DataConfig | None,
     proj: VocabProjection,
     first_t: torch.Tensor,
-) -> tuple[torch.Tensor, str]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None, list[str]]:
     """`lookahead_split`'s share `[rows_t]` of each teacher token's mass for its exact student
-    token (`train.short_share`), counted on a sample of the training text, and a line saying
-    what the count saw."""
-    from crossdistill.train.auto_target import SAMPLE_BYTES
-    from crossdistill.train.short_share import boundary_counts, describe_counts, short_shares
-
-    spelled = torch.where(proj.exact, proj.first_piece, -1).cpu().numpy()
-    texts = _training_sample(data, "target lookahead_split counts its shares", SAMPLE_BYTES)
-    short, longer = boundary_counts(tok_s, tok_t, texts, spelled, first_t.numpy())
-    sampled = sum(len(t.encode()) for t in texts)
-    return torch.from_numpy(short_shares(short, longer, tcfg.split_prior)), describe_counts(
-        tcfg.name, short, longer, sampled
+    token (`train.short_share`), the pair table of `split_context: previous` (sorted keys and
+    shares; None under the other values) and lines saying what the count saw. Under
+    `split_context: none` the shares are counted on the sample `target: auto` reads, under the
+    other values on the larger one `boundary: condition` reads."""
+    from crossdistill.train.short_share import (
+        boundary_events,
+        counts_of,
+        describe_counts,
+        pair_shares,
+        short_shares,
     )
 
-
-def _pair_shares(
-    tcfg: TeacherConfig,
-    tok_s,
-    tok_t,
-    data: DataConfig | None,
-    proj: VocabProjection,
-    first_t: torch.Tensor,
-    shares: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """`split_context: previous`'s pair table (`train.short_share.pair_shares`): the keys, each
-    pair's share drawn toward its teacher token's own in `shares [rows_t]`, counted on the
-    sample of the training text `boundary: condition` reads, and a line saying what it saw."""
-    from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS
-    from crossdistill.train.short_share import boundary_events, pair_shares
-
     spelled = torch.where(proj.exact, proj.first_piece, -1).cpu().numpy()
-    what = f"teacher {tcfg.name!r}: split_context: previous counts the split per previous token"
-    texts = _training_sample(data, what, SAMPLE_BYTES, rows_per_file=SAMPLE_ROWS)
+    if tcfg.split_context == "none":
+        from crossdistill.train.auto_target import SAMPLE_BYTES
+
+        texts = _training_sample(data, "target lookahead_split counts its shares", SAMPLE_BYTES)
+    else:
+        from crossdistill.train.boundaries import SAMPLE_BYTES, SAMPLE_ROWS
+
+        what = f"teacher {tcfg.name!r}: split_context: {tcfg.split_context} counts the split"
+        texts = _training_sample(data, what, SAMPLE_BYTES, rows_per_file=SAMPLE_ROWS)
     events = boundary_events(tok_s, tok_t, texts, spelled, first_t.numpy())
-    keys, pair = pair_shares(events, shares.double().cpu().numpy())
-    line = (
+    short, longer = counts_of(events, spelled.shape[0])
+    sampled = sum(len(t.encode()) for t in texts)
+    share = short_shares(short, longer, tcfg.split_prior)
+    lines = [describe_counts(tcfg.name, short, longer, sampled)]
+    if tcfg.split_context != "previous":
+        return torch.from_numpy(share), None, lines
+    keys, pair = pair_shares(events, share)
+    lines.append(
         f"teacher {tcfg.name!r}: lookahead_split shares counted per previous student token on "
         f"{len(events):,} chunks: {len(keys):,} pairs"
     )
-    return torch.from_numpy(keys), torch.from_numpy(pair), line
+    return torch.from_numpy(share), (torch.from_numpy(keys), torch.from_numpy(pair)), lines
 
 
 def _training_sample(data: DataConfig | None, what: str, num_bytes: int, **read) -> list[str]:

@@ -295,6 +295,31 @@ def test_a_run_with_pair_shares_trains_and_differs_from_one_share_per_token(
     assert "per previous student token" not in logs["ignore", "none"]
 
 
+def test_wide_shares_are_previous_without_the_pairs(tmp_path, tokenizer_dir):
+    """`split_context: wide` counts the per-token shares on the sample `previous` counts on,
+    and has no pair table; `none` has none either; `previous` has one, keyed within the pairs
+    of its teacher's rows and the student's vocabulary."""
+    from crossdistill.models import load_tokenizer
+    from crossdistill.train.build import build_projection_for
+    from tests.distributed import _harness as h
+
+    cfg = h.trainer_config(tmp_path, tokenizer_dir, 2, eval_every=2)
+    tok_s, tok_t = load_tokenizer(cfg.student.tokenizer), load_tokenizer(cfg.teachers[0].tokenizer)
+    groups = {}
+    for context in ("none", "wide", "previous"):
+        t = cfg.teachers[0]
+        t.target, t.split_context = "lookahead_split", context
+        proj = build_projection_for(
+            t, tok_t, tok_s, len(tok_t), len(tok_s), "cpu", data=cfg.data
+        )  # fmt: skip
+        groups[context] = proj.groups
+    assert groups["none"].pair_keys is None and groups["wide"].pair_keys is None
+    torch.testing.assert_close(groups["wide"].short_logshare, groups["previous"].short_logshare)
+    keys = groups["previous"].pair_keys
+    assert keys.numel() > 10 and bool((keys[1:] > keys[:-1]).all())
+    assert int(keys.max()) < len(tok_s) * len(tok_t)
+
+
 def test_settings_and_projection_refuse_what_cannot_be_built(tmp_path, tokenizer_dir):
     from crossdistill.models import load_tokenizer
     from crossdistill.train.build import build_projection_for
