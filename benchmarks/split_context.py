@@ -16,7 +16,8 @@ moves. A run counts `π_x` on a smaller sample than the pairs (what `target: aut
 sample's and the previous token's.
 
     python benchmarks/split_context.py CORPUS.jsonl.gz [CORPUS ...] --teacher $TOK/mistral/hf \
-        [--student $TOK/llama3/hf] [--bytes 5000000] [--share-bytes N] [--json FILE]
+        [--student $TOK/llama3/hf] [--bytes 5000000] [--share-bytes N] [--top-pairs N] \
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -80,9 +81,30 @@ def log_losses(
     }
 
 
-def measure(tok_s, tok_t, texts: list[str], share_bytes: int) -> dict[str, float]:
+def top_pairs(tok_s, tok_t, counted: np.ndarray, v_t: int, n: int) -> list[dict]:
+    """The `n` pairs of `counted`'s events whose share sets them furthest from their teacher
+    token's own, weighed by how often they occur (the difference times the square root of the
+    count): the previous student token, the teacher token, the count and both shares."""
+    from crossdistill.train.short_share import counts_of, pair_shares, short_shares
+
+    pi = short_shares(*counts_of(counted, v_t))
+    keys, shares = pair_shares(counted, pi)
+    seen = counted[counted[:, 1] >= 0]
+    count = np.unique(seen[:, 1] * v_t + seen[:, 0], return_counts=True)[1]
+    weight = np.abs(shares - pi[keys % v_t]) * np.sqrt(count)
+    out = []
+    for i in np.argsort(-weight)[:n].tolist():
+        u, x = divmod(int(keys[i]), v_t)
+        out.append({"previous": tok_s.decode([u]), "teacher": tok_t.convert_ids_to_tokens(x),
+                    "count": int(count[i]), "token_share": float(pi[x]),
+                    "pair_share": float(shares[i])})  # fmt: skip
+    return out
+
+
+def measure(tok_s, tok_t, texts: list[str], share_bytes: int, pairs: int = 0) -> dict[str, float]:
     """`log_losses` with one document in `READ_EVERY` of `texts` reading and the rest counting,
-    and `π_x` also counted on the counting documents' first `share_bytes` characters."""
+    and `π_x` also counted on the counting documents' first `share_bytes` characters; with
+    `pairs`, also that many `top_pairs` of the counting documents."""
     from crossdistill.alignment.projection import build_projection
     from crossdistill.train.short_share import boundary_events
 
@@ -99,7 +121,10 @@ def measure(tok_s, tok_t, texts: list[str], share_bytes: int) -> dict[str, float
         head.append(text[: share_bytes - n])
         n += len(head[-1])
     sampled = boundary_events(tok_s, tok_t, head, first, of_student)
-    return log_losses(counted, read, first.shape[0], sampled)
+    got = log_losses(counted, read, first.shape[0], sampled)
+    if pairs:
+        got["top_pairs"] = top_pairs(tok_s, tok_t, counted, first.shape[0], pairs)
+    return got
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -113,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--share-bytes", type=int, default=SAMPLE_BYTES,
                     help="characters a run counts its per-token shares on (default: what "
                     "lookahead_split reads, auto_target.SAMPLE_BYTES)")  # fmt: skip
+    ap.add_argument("--top-pairs", type=int, default=0,
+                    help="also list this many pairs whose share differs most from their token's")  # fmt: skip
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from crossdistill.models import load_tokenizer
@@ -125,12 +152,15 @@ def main(argv: list[str] | None = None) -> None:
     print("corpus | events | exact | share on the run's sample | share | share by previous | "
           "ambiguous | there: share, by previous")  # fmt: skip
     for path in args.corpus:
-        got = measure(tok_s, tok_t, read_texts(path, args.bytes), args.share_bytes)
+        got = measure(tok_s, tok_t, read_texts(path, args.bytes), args.share_bytes, args.top_pairs)
         table["corpora"][path.name] = got
         print(f"{path.name} | {got['events']:,} | {got['exact_rate']:.1%} | "
               f"{got['share_sampled']:.4f} | {got['share']:.4f} | "
               f"{got['share_by_previous']:.4f} | {got['ambiguous']:.1%} | "
               f"{got['share_ambiguous']:.4f}, {got['share_by_previous_ambiguous']:.4f}")  # fmt: skip
+        for p in got.get("top_pairs", []):
+            print(f"  after {p['previous']!r}: {p['teacher']!r} {p['count']:,} times, share "
+                  f"{p['pair_share']:.2f} against {p['token_share']:.2f}")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(table, indent=2) + "\n")
 

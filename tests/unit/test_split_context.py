@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from benchmarks.split_context import log_losses
+from benchmarks.split_context import log_losses, top_pairs
 from tests.unit.test_teacher_boundary_share import TEXTS
 
 
@@ -85,3 +85,25 @@ def test_log_losses_by_hand():
     want_small = -(math.log(pi_small) + math.log(1 - pi_small) + math.log(pi_small)) / 3
     assert math.isclose(small["share_sampled"], want_small, rel_tol=1e-12)
     assert "share_sampled" not in got
+
+
+def test_top_pairs_put_the_furthest_frequent_pair_first(tokenizer_dir):
+    from crossdistill.models import load_tokenizer
+    from crossdistill.train.short_share import PRIOR_COUNT
+
+    tok_s = load_tokenizer(str(tokenizer_dir("llama3")))
+    tok_t = load_tokenizer(str(tokenizer_dir("mistral")))
+    # teacher token 5: exact after student token 10 (eight times), longer after 11 (eight
+    # times) and after 12 (twice, level with the token); the third pair is the nearest
+    events = np.array(
+        [[5, 10, 1]] * 8 + [[5, 11, 0]] * 8 + [[5, 12, 1], [5, 12, 0]], dtype=np.int64
+    )
+    got = top_pairs(tok_s, tok_t, events, 40, 3)
+    assert [p["previous"] for p in got][2] == tok_s.decode([12])
+    assert {p["previous"] for p in got[:2]} == {tok_s.decode([10]), tok_s.decode([11])}
+    pi = (9 + PRIOR_COUNT * 0.5) / (18 + PRIOR_COUNT)
+    assert all(p["teacher"] == tok_t.convert_ids_to_tokens(5) for p in got)
+    assert all(abs(p["token_share"] - pi) < 1e-12 for p in got)
+    first = next(p for p in got if p["previous"] == tok_s.decode([10]))
+    assert first["count"] == 8
+    assert abs(first["pair_share"] - (8 + PRIOR_COUNT * pi) / (8 + PRIOR_COUNT)) < 1e-12
