@@ -5,7 +5,7 @@ of chunk.
 
     python benchmarks/target_fidelity.py OUT --target first_piece --target lookahead_split \
         [--past-end all --past-end canonical] [--boundary ignore --boundary condition] \
-        [--split-context none --split-context previous] \
+        [--split-context none --split-context wide --split-context previous] \
         [--student RUN ...] [--reach] [--observed] [--other-seeds] [--table-text FILE] \
         [--json FILE] [--device cpu]
 

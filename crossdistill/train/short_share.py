@@ -9,10 +9,10 @@ the first, over the same sample of the text `target: auto` reads (`auto_target.S
 A token the sample holds a few times would get a share of 0 or 1 from chance alone, so each
 count is drawn toward the share over all tokens: `PRIOR_COUNT` pseudo-boundaries at that share.
 With `teachers.N.split_context: wide` the shares are counted on the larger sample `boundary:
-condition` counts on; with `previous` also per pair of x and the student's token before the
-boundary (`pair_shares`), on that sample, each pair drawn toward x's own share: the student's last token says much about whether
-the text stops after x (measured on the text alone, at the boundaries of held-out documents, by
-`benchmarks/split_context.py`).
+condition` counts on; with `previous`, also per pair of x and the student's token before the
+boundary (`pair_shares`) on that sample, each pair drawn toward x's own share. The student's last
+token says much about whether the text stops after x (measured on the text alone, at the
+boundaries of held-out documents, by `benchmarks/split_context.py`).
 The sample is the same on every rank, so every process builds the same target.
 """
 
