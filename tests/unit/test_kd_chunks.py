@@ -48,7 +48,7 @@ def batches(tmp_path_factory, tokenizer_dir):
 def _term(kd_chunks: str, tb):
     """The term of a first-piece teacher (a run resolves `target: auto` before any term)."""
     cfg = TeacherConfig(path="t", kd_chunks=kd_chunks, target="first_piece")
-    slot = SimpleNamespace(cfg=cfg, projection=SimpleNamespace(boundaries=None))
+    slot = SimpleNamespace(cfg=cfg, projection=SimpleNamespace(boundaries=None, groups=None))
     return make_term(slot, tb, targets=None, device=torch.device("cpu"), ids_s=tb.input_ids)
 
 
