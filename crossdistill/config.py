@@ -221,7 +221,9 @@ class TeacherConfig(ModelConfig):
     # of x and the student's token before the KD position (pairs the sample holds a few times
     # drawn toward x's own share), since the student's last token says much about whether the
     # text stops after x (`train.short_share`). "wide" is "previous" without the pairs, to
-    # measure the two apart
+    # measure the two apart. Both move the target toward a same-tokenizer teacher's, but the
+    # students were level with "none"'s (benchmarks/README.md, "What the student's previous
+    # token says about the split"), so "none", which reads less text at load, stays
     split_context: SplitContext = "none"
     # a cross teacher's top-k at a KD position: "condition" drops the continuations whose first
     # byte the student's last token rules out there (Llama-3's `;\n` is never followed by a line
