@@ -214,10 +214,14 @@ def build_one(raw: dict[str, Any]) -> float:
 
 
 def train_many(
-    cfgs: dict[Any, Config], jobs: int, run: Callable[[dict[str, Any]], float] = train_one
+    cfgs: dict[Any, Config],
+    jobs: int,
+    run: Callable[[dict[str, Any]], float] = train_one,
+    on_start: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[Any, float]]:
     """Train every config, `jobs` at a time, each in a fresh spawned process (no CUDA state
     crosses a fork); yields `(key, run(config as a dict))` as each run finishes.
+    `on_start(key)` is called as each run's process starts.
 
     A run that raises, or whose process ends without a result (killed, out of memory, or it
     could not start), stops the experiment at once with its key and reason, and the runs still
@@ -247,6 +251,8 @@ def train_many(
                 held, lifeline = context.Pipe(duplex=False)
                 process = context.Process(target=_child_run, args=(run, to_dict(cfg), send, held))
                 process.start()
+                if on_start is not None:
+                    on_start(key)
                 send.close()  # the child holds the only sending end: its exit ends the pipe
                 held.close()  # and only the child reads the lifeline
                 running[process.sentinel] = (key, process, receive, lifeline)
@@ -470,8 +476,8 @@ class Experiment:
 
     def run_jobs(self, jobs: list[Job], run: Callable[[dict[str, Any]], float] = train_one) -> None:
         """Run `jobs` (`run`: train each; `build_one`: build each one's cache), `spec.jobs` at
-        a time (each in a process of its own when more than one), recording each as it
-        finishes."""
+        a time (each in a process of its own when more than one), logging each as it starts
+        and recording each, with the seconds since its start, as it finishes."""
         if self.spec.jobs == 1 or len(jobs) == 1:
             for job in jobs:
                 self.log(f"[quality] {job.describe}")
@@ -479,15 +485,18 @@ class Experiment:
                 job.done(run(to_dict(job.cfg)))
                 self._record(job, start)
             return
-        for job in jobs:
-            self.log(f"[quality] {job.describe}")
-        start = time.perf_counter()
         by_name = {job.name: job for job in jobs}
         assert len(by_name) == len(jobs), "two runs of one name"
+        started: dict[str, float] = {}
+
+        def begin(name: str) -> None:
+            self.log(f"[quality] {by_name[name].describe}")
+            started[name] = time.perf_counter()
+
         cfgs = {n: job.cfg for n, job in by_name.items()}
-        for name, bpb in train_many(cfgs, self.spec.jobs, run):
+        for name, bpb in train_many(cfgs, self.spec.jobs, run, on_start=begin):
             by_name[name].done(bpb)
-            self._record(by_name[name], start)
+            self._record(by_name[name], started[name])
 
     def _teacher(
         self, path: str, label: str, vocab: int, seq_len: int, bpt: float, seed: int

@@ -81,6 +81,34 @@ def test_every_run_once_in_a_process_of_its_own():
     assert len(pids) == 5 and os.getpid() not in pids  # a fresh process per run
 
 
+def sleeps_then_seed(raw) -> float:
+    time.sleep(0.5)
+    return float(raw["train"]["seed"])
+
+
+def test_each_run_is_announced_as_its_process_starts():
+    """`on_start` marks each run when its process starts, not when it is queued: at most `jobs`
+    runs are started and not finished, and each run's time from its start covers its sleep
+    (`bench quality` logs and times each student so)."""
+    events, started = [], {}
+
+    def begin(key):
+        events.append(("start", key))
+        started[key] = time.monotonic()
+
+    cfgs = {f"seed {s}": _cfg(s) for s in range(5)}
+    for key, value in train_many(cfgs, 2, run=sleeps_then_seed, on_start=begin):
+        events.append(("done", key))
+        assert value == float(key.split()[1])
+        assert time.monotonic() - started[key] >= 0.5
+    assert sorted(k for e, k in events if e == "start") == sorted(cfgs)
+    running = 0
+    for event, _ in events:
+        running += 1 if event == "start" else -1
+        assert 0 <= running <= 2
+    assert [e for e, _ in events[:2]] == ["start", "start"]  # two at a time from the first
+
+
 def test_a_run_that_raises_stops_the_experiment_at_once_with_its_name_and_traceback():
     """Not after every other run has trained, as a standard process pool's exit would wait."""
     cfgs = {f"seed {s}": _cfg(s) for s in range(4)}
