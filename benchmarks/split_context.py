@@ -85,12 +85,11 @@ def top_pairs(tok_s, tok_t, counted: np.ndarray, v_t: int, n: int) -> list[dict]
     """The `n` pairs of `counted`'s events whose share sets them furthest from their teacher
     token's own, weighed by how often they occur (the difference times the square root of the
     count): the previous student token, the teacher token, the count and both shares."""
-    from crossdistill.train.short_share import counts_of, pair_shares, short_shares
+    from crossdistill.train.short_share import counts_of, pair_counts, pair_shares, short_shares
 
     pi = short_shares(*counts_of(counted, v_t))
     keys, shares = pair_shares(counted, pi)
-    seen = counted[counted[:, 1] >= 0]
-    count = np.unique(seen[:, 1] * v_t + seen[:, 0], return_counts=True)[1]
+    count = pair_counts(counted, v_t)[1]
     weight = np.abs(shares - pi[keys % v_t]) * np.sqrt(count)
     out = []
     for i in np.argsort(-weight)[:n].tolist():

@@ -89,12 +89,20 @@ def pair_shares(events: np.ndarray, shares: np.ndarray) -> tuple[np.ndarray, np.
     of exact-token boundaries, drawn by `PRIOR_COUNT` boundaries toward x's own share in
     `shares [V_t]` (`short_shares`), so that a pair seen a few times keeps near it."""
     v_t = shares.shape[0]
+    keys, total, short = pair_counts(events, v_t)
+    toward = shares[keys % v_t] if keys.size else np.zeros(0)
+    return keys, (short + PRIOR_COUNT * toward) / (total + PRIOR_COUNT)
+
+
+def pair_counts(events: np.ndarray, v_t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per (student token before the chunk u, teacher token x) pair that `events` hold: the
+    sorted keys `u·V_t + x`, the boundaries counted and those where the student's token is x's
+    exact one."""
     seen = events[events[:, 1] >= 0]
     keys, at = np.unique(seen[:, 1] * v_t + seen[:, 0], return_inverse=True)
     total = np.bincount(at, minlength=keys.shape[0])
     short = np.bincount(at, weights=seen[:, 2], minlength=keys.shape[0])
-    toward = shares[keys % v_t] if keys.size else np.zeros(0)
-    return keys.astype(np.int64), (short + PRIOR_COUNT * toward) / (total + PRIOR_COUNT)
+    return keys.astype(np.int64), total, short
 
 
 def short_shares(
