@@ -39,8 +39,19 @@ def free_port() -> int:
 
 
 def _entry(
-    rank: int, world: int, port: int, fn: Any, args: tuple, errors: str, group: bool
+    rank: int,
+    world: int,
+    port: int,
+    fn: Any,
+    args: tuple,
+    errors: str,
+    group: bool,
+    environ: dict[str, str],
 ) -> None:
+    # a worker forks from the server started with the first spawn: it takes the environment of
+    # this spawn's caller (a test may have set a variable since), not the server's
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -62,15 +73,30 @@ def _entry(
             dist.destroy_process_group()
 
 
+# what every worker imports, loaded once by the fork server so that a worker starts in a fork
+# instead of a fresh interpreter importing torch and transformers
+PRELOAD = ["torch", "torch.distributed", "transformers", "crossdistill.train.loop", __name__]
+
+
 def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> None:
     """Run `fn(rank, *args)` in `world` gloo processes (a fresh free port); a worker's
     traceback is re-raised here. `group=False`: the workers start with torchrun's environment
-    but no process group (as `crossdistill train` under torchrun does)."""
+    but no process group (as `crossdistill train` under torchrun does). The workers fork from a
+    server that has imported `PRELOAD` and nothing else: no thread, no CUDA context, no process
+    group, so each starts as a fresh process would, with the caller's environment."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     errors.mkdir(parents=True, exist_ok=True)
     try:
-        mp.spawn(_entry, args=(world, free_port(), fn, args, str(errors), group), nprocs=world)
+        mp.start_processes(
+            _entry,
+            args=(world, free_port(), fn, args, str(errors), group, dict(os.environ)),
+            nprocs=world,
+            start_method="forkserver",
+        )
     except Exception as e:
         found = sorted(errors.glob("rank*.txt"))
         detail = "\n".join(p.read_text() for p in found)
