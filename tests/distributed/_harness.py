@@ -49,7 +49,8 @@ def _entry(
     environ: dict[str, str],
 ) -> None:
     # a worker forks from the server started with the first spawn: it takes the environment of
-    # this spawn's caller (a test may have set a variable since), not the server's
+    # this spawn's caller (a test may have set a variable since), not the server's; only what
+    # the modules of PRELOAD read when imported comes from the environment of that first spawn
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(
