@@ -83,8 +83,8 @@ def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> 
     """Run `fn(rank, *args)` in `world` gloo processes (a fresh free port); a worker's
     traceback is re-raised here. `group=False`: the workers start with torchrun's environment
     but no process group (as `crossdistill train` under torchrun does). The workers fork from a
-    server that has imported `PRELOAD` and nothing else: no thread, no CUDA context, no process
-    group, so each starts as a fresh process would, with the caller's environment."""
+    server that has only imported `PRELOAD` (no CUDA context, no process group, no step run), so
+    each starts as a fresh process would, with the caller's environment."""
     import multiprocessing
 
     import torch.multiprocessing as mp
