@@ -17,7 +17,7 @@ VARIABLE = "CROSSDISTILL_TEST_SPAWN"
 
 
 def _report(rank: int, out: str) -> None:
-    keys = (VARIABLE, "RANK", "WORLD_SIZE", "MASTER_PORT")
+    keys = (VARIABLE, "RANK", "WORLD_SIZE")
     Path(out, f"{rank}.json").write_text(json.dumps({k: os.environ.get(k) for k in keys}))
 
 
@@ -32,7 +32,8 @@ def _reports(out: Path, world: int) -> list[dict]:
 
 def test_workers_see_the_environment_of_each_spawn(tmp_path, monkeypatch):
     first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir(), second.mkdir()
+    first.mkdir()
+    second.mkdir()
     monkeypatch.setenv(VARIABLE, "before")
     h.spawn(_report, 2, str(first), errors=tmp_path / "e1", group=False)
     # the fork server runs from the first spawn on (this one, or an earlier test's): a variable
