@@ -75,8 +75,19 @@ def _entry(
 
 
 # what every worker imports, loaded once by the fork server so that a worker starts in a fork
-# instead of a fresh interpreter importing torch and transformers
-PRELOAD = ["torch", "torch.distributed", "transformers", "crossdistill.train.loop", __name__]
+# instead of a fresh interpreter importing torch and transformers: transformers loads its
+# modelling code and the scenario's model classes lazily, on a worker's first model
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "phi3")),
+    "crossdistill.train.loop",
+    __name__,
+]
 
 
 def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> None:
