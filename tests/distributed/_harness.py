@@ -84,7 +84,9 @@ PRELOAD = [
     "transformers.modeling_utils",
     "transformers.models.auto.modeling_auto",
     "transformers.models.auto.tokenization_auto",
-    *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen3", "phi3")),
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.phi3.modeling_phi3",
     "crossdistill.train.loop",
     __name__,
 ]
@@ -96,11 +98,9 @@ def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> 
     but no process group (as `crossdistill train` under torchrun does). The workers fork from a
     server that has only imported `PRELOAD` (no CUDA context, no process group, no step run), so
     each starts as a fresh process would, with the caller's environment."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
     errors.mkdir(parents=True, exist_ok=True)
     try:
         mp.start_processes(
