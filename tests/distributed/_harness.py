@@ -177,6 +177,15 @@ def trainer_config(root: Path, tokenizer_dir: Any, steps: int, eval_every: int) 
     return cfg
 
 
+def probe_config(root: Path, tokenizer_dir: Any) -> Config:
+    """`trainer_config` for a run read for its first KD value (`first_kd`): one step of 2
+    micro-batches and a validation of one batch, so each target's training and validation
+    paths run once."""
+    cfg = trainer_config(root, tokenizer_dir, 1, eval_every=1)
+    cfg.train.eval_batches = 1
+    return cfg
+
+
 def first_kd(cfg: Config) -> float:
     """Train `cfg` in this process; check every logged loss is finite and return teacher 0's
     first logged KD value (> 0)."""

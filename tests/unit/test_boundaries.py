@@ -272,7 +272,7 @@ def test_a_run_conditions_and_says_what_it_counted(tmp_path, tokenizer_dir, caps
 
     kd, logs = {}, {}
     for boundary in ("ignore", "condition"):
-        cfg = h.trainer_config(tmp_path / boundary, tokenizer_dir, 2, eval_every=2)
+        cfg = h.probe_config(tmp_path / boundary, tokenizer_dir)
         with open(cfg.data.train[0], "w") as f:
             for i, text in enumerate(h.TEXTS * 30):
                 f.write(json.dumps({"text": f"{i}: {text}"}) + "\n")

@@ -326,7 +326,7 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead(tmp_path, token
         ("lookahead_longer", TOP_K_END),
         ("lookahead_mix", TOP_K_END),
     ):
-        cfg = h.trainer_config(tmp_path / f"{target}-{top_k}", tokenizer_dir, 2, eval_every=2)
+        cfg = h.probe_config(tmp_path / f"{target}-{top_k}", tokenizer_dir)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, top_k
         kd[target, top_k] = h.first_kd(cfg)
     assert all(math.isfinite(v) for v in kd.values())

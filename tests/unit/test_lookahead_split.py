@@ -250,7 +250,7 @@ def test_a_run_with_the_target_trains_and_differs_from_lookahead_prefix_end(
 
     kd, logs = {}, {}
     for target in ("lookahead_prefix_end", "lookahead_split"):
-        cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
+        cfg = h.probe_config(tmp_path / target, tokenizer_dir)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, TOP_K_END
         kd[target] = h.first_kd(cfg)
         logs[target] = "".join(capsys.readouterr())
@@ -278,7 +278,7 @@ def test_a_run_with_pair_shares_trains_and_differs_from_one_share_per_token(
         ("ignore", "previous"),
         ("condition", "previous"),
     ):
-        cfg = h.trainer_config(tmp_path / boundary / context, tokenizer_dir, 2, eval_every=2)
+        cfg = h.probe_config(tmp_path / boundary / context, tokenizer_dir)
         t = cfg.teachers[0]
         t.target, t.top_k, t.boundary, t.split_context = (
             "lookahead_split", TOP_K_END, boundary, context

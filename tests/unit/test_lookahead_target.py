@@ -472,7 +472,7 @@ def test_a_run_with_the_lookahead_target_trains_and_differs_from_context(tmp_pat
 
     kd = {}
     for target in ("context", "lookahead", "lookahead_end"):
-        cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
+        cfg = h.probe_config(tmp_path / target, tokenizer_dir)
         cfg.teachers[0].target, cfg.teachers[0].top_k = target, 50304
         kd[target] = h.first_kd(cfg)
     assert abs(kd["lookahead"] - kd["context"]) > 1e-6 * kd["context"]

@@ -183,7 +183,7 @@ def test_a_run_with_the_prefix_target_trains_and_differs_from_first_piece(tmp_pa
 
     kd = {}
     for target in ("first_piece", "prefix"):
-        cfg = h.trainer_config(tmp_path / target, tokenizer_dir, 2, eval_every=2)
+        cfg = h.probe_config(tmp_path / target, tokenizer_dir)
         cfg.teachers[0].target = target
         kd[target] = h.first_kd(cfg)
     assert abs(kd["prefix"] - kd["first_piece"]) > 1e-6 * kd["first_piece"]
