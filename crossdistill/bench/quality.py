@@ -41,7 +41,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -219,9 +219,14 @@ def train_many(
     run: Callable[[dict[str, Any]], float] = train_one,
     on_start: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[Any, float]]:
-    """Train every config, `jobs` at a time, each in a fresh spawned process (no CUDA state
-    crosses a fork); yields `(key, run(config as a dict))` as each run finishes.
-    `on_start(key)` is called as each run's process starts.
+    """Train every config, `jobs` at a time, each in a process of its own; yields
+    `(key, run(config as a dict))` as each run finishes. `on_start(key)` is called as each
+    run's process starts.
+
+    Runs on a CUDA device (or `auto`) start as fresh spawned processes: no CUDA state crosses a
+    fork. Runs that are all on the CPU fork from a server that has imported the trainer once
+    (`RUN_PRELOAD`), since there a small run's import of torch and transformers (seconds each
+    time) can be most of the run.
 
     A run that raises, or whose process ends without a result (killed, out of memory, or it
     could not start), stops the experiment at once with its key and reason, and the runs still
@@ -236,10 +241,9 @@ def train_many(
     here, and leaves when that pipe closes. Otherwise a killed bench's runs would go on
     training, and a rerun of the same command would train the same runs into the same folders
     beside them."""
-    import multiprocessing
     from multiprocessing.connection import wait
 
-    context = multiprocessing.get_context("spawn")
+    context = _run_context(cfgs.values())
     pending = list(cfgs.items())[::-1]
     # sentinel -> (key, process, result pipe, lifeline: the pipe whose closing stops the run)
     running: dict[Any, tuple[Any, Any, Any, Any]] = {}
@@ -286,10 +290,33 @@ def train_many(
                 process.join()
 
 
+# what a run imports, loaded once by the fork server of CPU runs (one that fails to import is
+# skipped there, and its run imports it as a spawned one would)
+RUN_PRELOAD = [
+    "crossdistill.train.demo",
+    "crossdistill.train.loop",
+    "crossdistill.train.cache_build",
+    "transformers.modeling_utils",
+]
+
+
+def _run_context(cfgs: Iterable[Config]) -> Any:
+    """`train_many`'s process context: the fork server for runs all on the CPU (where the
+    platform has one), spawn otherwise."""
+    import multiprocessing
+
+    on_cpu = all(cfg.train.device == "cpu" for cfg in cfgs)
+    if on_cpu and "forkserver" in multiprocessing.get_all_start_methods():
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(RUN_PRELOAD)
+        return context
+    return multiprocessing.get_context("spawn")
+
+
 def _child_run(
     run: Callable[[dict[str, Any]], float], raw: dict[str, Any], send: Any, lifeline: Any
 ) -> None:
-    """A spawned process of `train_many`: one run, its result or its error sent back; it
+    """A process of `train_many`: one run, its result or its error sent back; it
     exits at once when `lifeline` closes (the parent has ended)."""
     import threading
     import traceback

@@ -1,7 +1,8 @@
 """`bench quality --jobs N`: the runs in processes of their own, and what happens when one of
-them fails, is killed, or cannot start. Real spawned processes; the run itself is injected (the
-functions below), since what is tested is the scheduling and the reporting; real training runs
-go through the same processes in `test_quality_bench.py`'s `student_noise.py` test."""
+them fails, is killed, or cannot start. Real processes, spawned (runs on `auto`) or forked from
+a preloaded server (runs all on the CPU); the run itself is injected (the functions below),
+since what is tested is the scheduling and the reporting; real training runs go through the
+same processes in `test_quality_bench.py`'s `student_noise.py` test."""
 
 from __future__ import annotations
 
@@ -15,15 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from crossdistill.bench.quality import train_many
+from crossdistill.bench.quality import _run_context, train_many
 from crossdistill.cli import run_reporting
 from crossdistill.config import Config
 from crossdistill.errors import UserError
 
+# runs on `auto` start as spawned processes, runs all on the CPU fork from a preloaded server
+DEVICES = ["auto", "cpu"]
 
-def _cfg(seed: int, out: Path | None = None) -> Config:
+
+def _cfg(seed: int, out: Path | None = None, device: str = "auto") -> Config:
     cfg = Config()
-    cfg = replace(cfg, train=replace(cfg.train, seed=seed))
+    cfg = replace(cfg, train=replace(cfg.train, seed=seed, device=device))
     return replace(cfg, run=replace(cfg.run, out_dir=str(out))) if out else cfg
 
 
@@ -71,8 +75,9 @@ def _refuse_to_load():
     raise ImportError("the module changed on disk")  # only the child unpickles it
 
 
-def test_every_run_once_in_a_process_of_its_own():
-    cfgs = {f"seed {s}": _cfg(s) for s in range(5)}
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_run_once_in_a_process_of_its_own(device):
+    cfgs = {f"seed {s}": _cfg(s, device=device) for s in range(5)}
     got = dict(train_many(cfgs, 2, run=pid_and_seed))
     assert sorted(got) == sorted(cfgs)
     for key, value in got.items():
@@ -146,8 +151,9 @@ def test_a_user_error_in_a_run_stays_one_line():
     assert str(e.value) == "run seed 1: corpus.jsonl: line 2 is not JSON; fix or remove it"
 
 
-def test_a_killed_run_fails_at_once_and_stops_the_others(tmp_path):
-    cfgs = {f"seed {s}": _cfg(s, tmp_path / f"pid{s}") for s in range(3)}
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_killed_run_fails_at_once_and_stops_the_others(tmp_path, device):
+    cfgs = {f"seed {s}": _cfg(s, tmp_path / f"pid{s}", device) for s in range(3)}
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"run seed 1: its process ended \(killed by signal 9\)"):
         dict(train_many(cfgs, 3, run=killed_on_seed_1_others_sleep))
@@ -158,10 +164,12 @@ def test_a_killed_run_fails_at_once_and_stops_the_others(tmp_path):
             os.kill(pid, 0)  # stopped and reaped, not left running
 
 
-def test_a_run_that_cannot_start_fails_instead_of_waiting_forever():
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_run_that_cannot_start_fails_instead_of_waiting_forever(device):
     start = time.monotonic()
+    cfgs = {f"seed {s}": _cfg(s, device=device) for s in range(2)}
     with pytest.raises(RuntimeError, match=r"run seed 0: its process ended \(exit code 1\)"):
-        dict(train_many({"seed 0": _cfg(0), "seed 1": _cfg(1)}, 1, run=CannotStart()))
+        dict(train_many(cfgs, 1, run=CannotStart()))
     assert time.monotonic() - start < 60
 
 
@@ -197,7 +205,7 @@ def test_a_run_that_ends_with_a_failing_one_is_still_reported(tmp_path, order):
 _KILLED_PARENT = """
 import sys, time
 from pathlib import Path
-from crossdistill.bench.quality import train_many
+from crossdistill.bench.quality import _run_context, train_many
 from crossdistill.config import Config
 
 
@@ -213,6 +221,7 @@ if __name__ == "__main__":
     cfgs = {}
     for s in range(2):
         cfg = Config()
+        cfg = replace(cfg, train=replace(cfg.train, device=sys.argv[2]))
         cfgs[s] = replace(cfg, run=replace(cfg.run, out_dir=f"{sys.argv[1]}/pid{s}"))
     dict(train_many(cfgs, 2, run=write_pid_and_sleep))
 """
@@ -229,13 +238,14 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_the_runs_end_when_the_bench_is_killed(tmp_path, sig):
+def test_the_runs_end_when_the_bench_is_killed(tmp_path, sig, device):
     """A bench killed from outside (no `finally` runs) takes its runs with it, instead of
     leaving them to train into the folders a rerun is about to use."""
     script = tmp_path / "bench.py"
     script.write_text(_KILLED_PARENT)
-    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path)])
+    parent = subprocess.Popen([sys.executable, str(script), str(tmp_path), device])
     try:
         pidfiles = [tmp_path / f"pid{s}" for s in range(2)]
         deadline = time.monotonic() + 120
@@ -253,3 +263,12 @@ def test_the_runs_end_when_the_bench_is_killed(tmp_path, sig):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_runs_all_on_the_cpu_fork_from_a_server_and_the_others_are_spawned():
+    assert _run_context([_cfg(0, device="cpu"), _cfg(1, device="cpu")]).get_start_method() == (
+        "forkserver"
+    )
+    for devices in (["cpu", "cuda"], ["auto"], ["cuda:0"]):
+        cfgs = [_cfg(s, device=d) for s, d in enumerate(devices)]
+        assert _run_context(cfgs).get_start_method() == "spawn"
