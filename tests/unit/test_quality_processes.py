@@ -205,7 +205,7 @@ def test_a_run_that_ends_with_a_failing_one_is_still_reported(tmp_path, order):
 _KILLED_PARENT = """
 import sys, time
 from pathlib import Path
-from crossdistill.bench.quality import _run_context, train_many
+from crossdistill.bench.quality import train_many
 from crossdistill.config import Config
 
 
@@ -266,9 +266,8 @@ def test_the_runs_end_when_the_bench_is_killed(tmp_path, sig, device):
 
 
 def test_runs_all_on_the_cpu_fork_from_a_server_and_the_others_are_spawned():
-    assert _run_context([_cfg(0, device="cpu"), _cfg(1, device="cpu")]).get_start_method() == (
-        "forkserver"
-    )
+    on_cpu = [_cfg(s, device="cpu") for s in range(2)]
+    assert _run_context(on_cpu).get_start_method() == "forkserver"
     for devices in (["cpu", "cuda"], ["auto"], ["cuda:0"]):
         cfgs = [_cfg(s, device=d) for s, d in enumerate(devices)]
         assert _run_context(cfgs).get_start_method() == "spawn"
