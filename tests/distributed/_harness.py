@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,11 @@ def _entry(
         WORLD_SIZE=str(world),
         LOCAL_WORLD_SIZE=str(world),
     )
+    # the server's descriptors are those of the first spawn's caller (under pytest, the capture
+    # of the test that was running then): the worker writes to files, which `spawn` passes on
+    for fd, stream in ((1, "out"), (2, "err")):
+        with open(Path(errors, f"rank{rank}.{stream}"), "wb") as f:
+            os.dup2(f.fileno(), fd)
     torch.set_num_threads(1)
     if group:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -97,7 +103,9 @@ def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> 
     traceback is re-raised here. `group=False`: the workers start with torchrun's environment
     but no process group (as `crossdistill train` under torchrun does). The workers fork from a
     server that has only imported `PRELOAD` (no CUDA context, no process group, no step run), so
-    each starts as a fresh process would, with the caller's environment."""
+    each starts as a fresh process would, with the caller's environment. What the workers
+    print goes to the caller's stdout and stderr once they have ended, rank by rank (as the
+    caller's descriptors are then: pytest's `capfd` reads it)."""
     import torch.multiprocessing as mp
 
     mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
@@ -113,6 +121,22 @@ def spawn(fn: Any, world: int, *args: Any, errors: Path, group: bool = True) -> 
         found = sorted(errors.glob("rank*.txt"))
         detail = "\n".join(p.read_text() for p in found)
         raise AssertionError(f"worker failed:\n{detail or e}") from None
+    finally:
+        _pass_on_output(errors, world)
+
+
+def _pass_on_output(errors: Path, world: int) -> None:
+    """Write each worker's stdout and stderr files to this process's stdout and stderr."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    for rank in range(world):
+        for fd, stream in ((1, "out"), (2, "err")):
+            path = errors / f"rank{rank}.{stream}"
+            if path.exists():
+                data = memoryview(path.read_bytes())
+                while data:
+                    data = data[os.write(fd, data) :]
+                path.unlink()
 
 
 def scenario_config(tokenizers: dict[str, str], data: Path, out: Path) -> Config:

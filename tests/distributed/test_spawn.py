@@ -1,11 +1,13 @@
 """The multi-process harness itself: its workers fork from a server that preloaded torch, so what a
 fresh process would get they must get too: the caller's environment as it is at each spawn, their
-own rank variables, and a failure that reaches the caller with the worker's traceback."""
+own rank variables, what they print on the caller's descriptors, and a failure that reaches the
+caller with the worker's traceback."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,12 @@ def _fail(rank: int) -> None:
         raise ValueError("rank one refuses")
 
 
+def _say(rank: int, word: str) -> None:
+    print(f"{word} out {rank}", flush=True)
+    print(f"{word} err {rank}", file=sys.stderr, flush=True)
+    os.write(2, f"{word} fd {rank}\n".encode())  # as a C library writes
+
+
 def _reports(out: Path, world: int) -> list[dict]:
     return [json.loads((out / f"{r}.json").read_text()) for r in range(world)]
 
@@ -44,6 +52,20 @@ def test_workers_see_the_environment_of_each_spawn(tmp_path, monkeypatch):
     assert [r[VARIABLE] for r in one] == ["before"] * 2
     assert [r[VARIABLE] for r in two] == ["after"] * 3
     assert [r["RANK"] for r in two] == ["0", "1", "2"] and {r["WORLD_SIZE"] for r in two} == {"3"}
+
+
+def test_what_workers_print_reaches_the_callers_output_at_each_spawn(tmp_path, capfd):
+    # a worker's descriptors are the fork server's, which are those of the first spawn's caller:
+    # here a spawn outside this test's capture (if no earlier test started the server), then two
+    # under it, whose output must reach it
+    with capfd.disabled():
+        h.spawn(_report, 1, str(tmp_path), errors=tmp_path / "before", group=False)
+    for word in ("first", "second"):
+        h.spawn(_say, 2, word, errors=tmp_path / word, group=False)
+        got = capfd.readouterr()
+        assert got.out.splitlines() == [f"{word} out 0", f"{word} out 1"]
+        assert got.err.splitlines() == [f"{word} {k} {r}" for r in (0, 1) for k in ("err", "fd")]
+    assert not list((tmp_path / "second").iterdir())
 
 
 def test_a_failing_worker_fails_the_caller_with_its_traceback(tmp_path):
