@@ -248,6 +248,13 @@ def test_teachers_too_far_apart_refuse_the_pair(tmp_path):
     assert "qwen3" in entry["refused"] and "5.0%" in entry["refused"]
     assert "(--teacher-seeds 2 or more: at --scale cpu one tokenizer's teachers" in entry["refused"]
     assert report["refused"] == entry["refused"]  # the only pair: nothing left to compare
+    # at the gpu scale one tokenizer's teachers of two seeds ended close: the hint says so
+    gpu = summarize(
+        {"llama3": 1.0, "qwen3": 1.05}, _runs({0: 1.9, 1: 1.9, 2: 1.9}), CELLS, "llama3",
+        _spec(tmp_path, scale_name="gpu"),
+    )["refused"]  # fmt: skip
+    assert "at --scale gpu one tokenizer's two teachers ended within" in gpu
+    assert "--scale cpu" not in gpu
     loose = summarize(
         {"llama3": 1.0, "qwen3": 1.05}, _runs({0: 1.9, 1: 1.9, 2: 1.9}), CELLS, "llama3",
         _spec(tmp_path, max_teacher_spread=0.06),
