@@ -40,6 +40,7 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -240,7 +241,11 @@ def train_many(
     no `finally` runs): each child holds the reading end of a pipe whose only writing end is
     here, and leaves when that pipe closes. Otherwise a killed bench's runs would go on
     training, and a rerun of the same command would train the same runs into the same folders
-    beside them."""
+    beside them.
+
+    What a run prints goes where this process's stdout and stderr point as the run starts: a
+    run forked from the server would otherwise write to the descriptors the server inherited
+    when it started, those of this process's first CPU bench."""
     from multiprocessing.connection import wait
 
     context = _run_context(cfgs.values())
@@ -253,7 +258,8 @@ def train_many(
                 key, cfg = pending.pop()
                 receive, send = context.Pipe(duplex=False)
                 held, lifeline = context.Pipe(duplex=False)
-                process = context.Process(target=_child_run, args=(run, to_dict(cfg), send, held))
+                args = (run, to_dict(cfg), send, held, _Output())
+                process = context.Process(target=_child_run, args=args)
                 process.start()
                 if on_start is not None:
                     on_start(key)
@@ -313,14 +319,45 @@ def _run_context(cfgs: Iterable[Config]) -> Any:
     return multiprocessing.get_context("spawn")
 
 
+class _Output:
+    """The starting process's stdout and stderr descriptors, carried to a run's process as
+    copies (the way a pipe's ends travel), where `attach` makes them that process's own."""
+
+    def __init__(self, fds: tuple[int, int] = (1, 2)):
+        self.fds = fds
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing import reduction
+
+        return (_Output._carried, tuple(reduction.DupFd(fd) for fd in self.fds))
+
+    @staticmethod
+    def _carried(*copies: Any) -> _Output:
+        return _Output(tuple(copy.detach() for copy in copies))
+
+    def attach(self) -> None:
+        """Point this process's stdout and stderr at the carried descriptors."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for target, fd in zip((1, 2), self.fds, strict=True):
+            if fd != target:
+                os.dup2(fd, target)
+                os.close(fd)
+
+
 def _child_run(
-    run: Callable[[dict[str, Any]], float], raw: dict[str, Any], send: Any, lifeline: Any
+    run: Callable[[dict[str, Any]], float],
+    raw: dict[str, Any],
+    send: Any,
+    lifeline: Any,
+    output: _Output,
 ) -> None:
     """A process of `train_many`: one run, its result or its error sent back; it
-    exits at once when `lifeline` closes (the parent has ended)."""
+    exits at once when `lifeline` closes (the parent has ended). It writes to `output`."""
     import threading
     import traceback
 
+    output.attach()
     threading.Thread(target=_exit_when_closed, args=(lifeline,), daemon=True).start()
     try:
         message: tuple[str, Any] = ("ok", run(raw))

@@ -86,6 +86,32 @@ def test_every_run_once_in_a_process_of_its_own(device):
     assert len(pids) == 5 and os.getpid() not in pids  # a fresh process per run
 
 
+def says_its_word(raw) -> float:
+    """Prints its out_dir's name and its seed, through Python's streams and straight to the
+    descriptors."""
+    word, seed = Path(raw["run"]["out_dir"]).name, raw["train"]["seed"]
+    print(f"{word} out {seed}", flush=True)
+    print(f"{word} err {seed}", file=sys.stderr, flush=True)
+    os.write(2, f"{word} fd {seed}\n".encode())
+    return float(seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_what_runs_print_reaches_the_callers_output_at_each_call(tmp_path, capfd, device):
+    """A run forked from the server must not write to the descriptors the server inherited
+    when it started (here outside this test's capture, if no earlier test started it), but to
+    those of the call that starts it."""
+    with capfd.disabled():
+        dict(train_many({"before": _cfg(9, tmp_path / "before", device)}, 1, run=says_its_word))
+    for word in ("first", "second"):
+        cfgs = {s: _cfg(s, tmp_path / word, device) for s in range(2)}
+        assert dict(train_many(cfgs, 2, run=says_its_word)) == {0: 0.0, 1: 1.0}
+        got = capfd.readouterr()
+        assert sorted(got.out.splitlines()) == [f"{word} out 0", f"{word} out 1"]
+        expected = sorted(f"{word} {kind} {s}" for s in (0, 1) for kind in ("err", "fd"))
+        assert sorted(got.err.splitlines()) == expected
+
+
 def sleeps_then_seed(raw) -> float:
     time.sleep(0.5)
     return float(raw["train"]["seed"])
