@@ -4,7 +4,8 @@
 #   TOK=/path/to/tokenizers bash benchmarks/quality_gpu.sh start [more bench quality arguments]
 #   OUT=/path/to/results bash benchmarks/quality_gpu.sh collect [SECONDS]
 # `start` launches the near pair (Llama-3 student, Qwen3 teacher) and the far pair (Llama-2
-# teacher) into $RUN (default /tmp/quality), from a copy of the code in $RUN/code; `collect`
+# teacher) into $RUN (default /tmp/quality), from a copy of the code in $RUN/code (TEACHERS names
+# other teacher tokenizers under $TOK: TEACHERS=llama2 runs the far pair alone); `collect`
 # waits up to SECONDS (default 0) for it to finish, then copies summary.json, cells.jsonl, the
 # log and the plot to $OUT.
 set -uo pipefail
@@ -14,6 +15,11 @@ case "${1:-}" in
 start)
     shift
     TOK=${TOK:?set TOK to the tokenizers folder}
+    teachers=()
+    for name in ${TEACHERS:-qwen3 llama2}; do
+        [ -d "$TOK/$name/hf" ] || { echo "no tokenizer $TOK/$name/hf (TEACHERS=${TEACHERS:-})" >&2; exit 2; }
+        teachers+=(--teacher-tokenizer "$TOK/$name/hf")
+    done
     mkdir -p "$RUN"
     # every run of the bench starts a fresh interpreter that imports the package and this
     # script again: run from a copy of them, so that the checkout may change while it goes
@@ -21,8 +27,7 @@ start)
     rm -rf "$RUN/code" && mkdir -p "$RUN/code" && cp -r crossdistill benchmarks "$RUN/code"/ || exit 1
     export PYTHONPATH="$RUN/code"
     setsid nohup python3 "$RUN/code/benchmarks/bench_quality.py" --scale gpu --seeds "${SEEDS:-5}" \
-        --student-tokenizer "$TOK/llama3/hf" --teacher-tokenizer "$TOK/qwen3/hf" \
-        --teacher-tokenizer "$TOK/llama2/hf" --out "$RUN" --json "$@" \
+        --student-tokenizer "$TOK/llama3/hf" "${teachers[@]}" --out "$RUN" --json "$@" \
         > "$RUN/stdout.json" 2> "$RUN/log.txt" < /dev/null &
     echo "started $! -> $RUN"
     ;;
