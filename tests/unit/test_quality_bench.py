@@ -1484,7 +1484,7 @@ def test_kd_ratio_cells_pair_each_weight_with_its_own_same_tokenizer_cell(tmp_pa
 def test_quality_gpu_script_collects_only_a_run_this_machine_started(tmp_path):
     """`benchmarks/quality_gpu.sh collect` where no run was started (a fresh machine) fails
     with that reason instead of reporting a finished run with no results; `start` without
-    the tokenizers folder starts nothing."""
+    the tokenizers folder, or with a teacher tokenizer it lacks, starts nothing."""
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "quality_gpu.sh"
     env = {"PATH": "/usr/bin:/bin", "RUN": str(tmp_path / "run"), "OUT": str(tmp_path / "out")}
     done = subprocess.run(["bash", str(script), "collect", "30"], env=env, capture_output=True,
@@ -1494,4 +1494,11 @@ def test_quality_gpu_script_collects_only_a_run_this_machine_started(tmp_path):
     done = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True,
                           text=True, timeout=20)  # fmt: skip
     assert done.returncode != 0 and "set TOK" in done.stderr
+    assert not (tmp_path / "run").exists()
+    # a teacher tokenizer named in TEACHERS that the folder lacks: named, nothing started
+    (tmp_path / "tok" / "llama2" / "hf").mkdir(parents=True)
+    env |= {"TOK": str(tmp_path / "tok"), "TEACHERS": "llama2 nope"}
+    done = subprocess.run(["bash", str(script), "start"], env=env, capture_output=True,
+                          text=True, timeout=20)  # fmt: skip
+    assert done.returncode == 2 and f"no tokenizer {tmp_path}/tok/nope/hf" in done.stderr
     assert not (tmp_path / "run").exists()
